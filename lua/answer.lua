@@ -1,0 +1,64 @@
+#!lua
+--[[
+  answer: record one responder's option, if the question is still pending and not overdue.
+
+  From-states: pending -> answered. pending and overdue -> expired (the answer never applies).
+  answered | expired | cancelled: nothing changes; the reply carries the stored story.
+
+  Input:
+    KEYS[1] question         (HASH)
+    KEYS[2] deadline marker  (STRING)
+    KEYS[3] deadlines        (ZSET)   bucket deadline index
+    KEYS[4] purge            (ZSET)   bucket removal schedule, score = resolved_ms + retention
+    KEYS[5] channel          (PUBSUB) the question's channel (passed as a key for Cluster slots)
+    KEYS[6] outbox           (STREAM)
+    KEYS[7] stats            (HASH)
+    ARGV[1] id               question id
+    ARGV[2] responder        principal id, from authentication
+    ARGV[3] option           option id
+    ARGV[4] call id          unique per service call, reused by client retries
+    ARGV[5] responder rooms  '|room|room|': the rooms the responder belongs to, read just before
+    ARGV[6] retention        ms a terminal question stays readable
+    ARGV[7] outbox maxlen    approximate cap
+
+  Output:
+    {'applied', fields}      this call answered the question (also on a re-run of this call)
+    {'stale', fields}        already terminal, or expired now because the deadline has passed
+    {'not_found'}            no such question
+    {'not_eligible', fields} the responder is neither the target user nor in the target room
+    {'unknown_option'}       ARGV[3] is not one of the question's options (checked after
+                             eligibility, before the state, so a bad option is never 'stale')
+
+  Events (only when a transition happens):
+    PUBLISH KEYS[5] <cjson fields>
+    XADD KEYS[6] type=question.answered|question.expired id=<id> question=<cjson fields>
+    HINCRBY KEYS[7] answered|expired 1; HINCRBY KEYS[7] stale 1 for a stale tap
+]]
+--@include "now_ms"
+--@include "settled"
+--@include "finish"
+--@include "expire_overdue"
+local now = now_ms()
+local q = redis.call('HMGET', KEYS[1], 'state', 'to_kind', 'to_id', 'opt_ids', 'expires_ms', 'tcall')
+if not q[1] then
+  return {'not_found'}
+end
+local eligible = (q[2] == 'user' and q[3] == ARGV[2])
+  or (q[2] == 'room' and string.find(ARGV[5], '|' .. q[3] .. '|', 1, true) ~= nil)
+if not eligible then
+  return {'not_eligible', redis.call('HGETALL', KEYS[1])}
+end
+if not string.find(q[4], '|' .. ARGV[3] .. '|', 1, true) then
+  return {'unknown_option'}
+end
+if q[1] ~= 'pending' then
+  local reply = settled(q[6], ARGV[4])
+  if reply[1] == 'stale' then redis.call('HINCRBY', KEYS[7], 'stale', 1) end
+  return reply
+end
+if now >= tonumber(q[5]) then
+  redis.call('HINCRBY', KEYS[7], 'stale', 1)
+  return {'stale', expire_overdue(ARGV[1], tonumber(q[5]), 'inline', ARGV[6], ARGV[7])}
+end
+return {'applied', finish(ARGV[1], 'answered', now,
+  {'ans_option', ARGV[3], 'ans_by', ARGV[2], 'ans_ms', now}, ARGV[4], ARGV[6], ARGV[7])}

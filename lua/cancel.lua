@@ -1,0 +1,57 @@
+#!lua
+--[[
+  cancel: withdraw a pending question on behalf of its asker (or an admin).
+
+  From-states: pending -> cancelled. pending and overdue -> expired (the cancel never applies).
+  answered | expired | cancelled: nothing changes; the reply carries the stored story.
+
+  Input:
+    KEYS[1] question         (HASH)
+    KEYS[2] deadline marker  (STRING)
+    KEYS[3] deadlines        (ZSET)   bucket deadline index
+    KEYS[4] purge            (ZSET)   bucket removal schedule
+    KEYS[5] channel          (PUBSUB) the question's channel
+    KEYS[6] outbox           (STREAM)
+    KEYS[7] stats            (HASH)
+    ARGV[1] id               question id
+    ARGV[2] by               principal id of the canceller, from authentication
+    ARGV[3] any asker        '1' when the canceller may cancel any question (an admin)
+    ARGV[4] reason           UTF-8 text, may be ''
+    ARGV[5] call id          unique per service call, reused by client retries
+    ARGV[6] retention        ms
+    ARGV[7] outbox maxlen    approximate cap
+
+  Output:
+    {'applied', fields}      this call cancelled the question (also on a re-run of this call)
+    {'stale', fields}        already terminal, or expired now because the deadline has passed
+    {'not_found'}            no such question
+    {'not_asker', fields}    the canceller is neither the asker nor allowed to cancel any
+
+  Events (only when a transition happens):
+    PUBLISH KEYS[5] <cjson fields>
+    XADD KEYS[6] type=question.cancelled|question.expired id=<id> question=<cjson fields>
+    HINCRBY KEYS[7] cancelled|expired 1; HINCRBY KEYS[7] stale 1 for a stale cancel
+]]
+--@include "now_ms"
+--@include "settled"
+--@include "finish"
+--@include "expire_overdue"
+local now = now_ms()
+local q = redis.call('HMGET', KEYS[1], 'state', 'expires_ms', 'tcall', 'asker')
+if not q[1] then
+  return {'not_found'}
+end
+if q[4] ~= ARGV[2] and ARGV[3] ~= '1' then
+  return {'not_asker', redis.call('HGETALL', KEYS[1])}
+end
+if q[1] ~= 'pending' then
+  local reply = settled(q[3], ARGV[5])
+  if reply[1] == 'stale' then redis.call('HINCRBY', KEYS[7], 'stale', 1) end
+  return reply
+end
+if now >= tonumber(q[2]) then
+  redis.call('HINCRBY', KEYS[7], 'stale', 1)
+  return {'stale', expire_overdue(ARGV[1], tonumber(q[2]), 'inline', ARGV[6], ARGV[7])}
+end
+return {'applied', finish(ARGV[1], 'cancelled', now,
+  {'cancel_by', ARGV[2], 'cancel_reason', ARGV[4]}, ARGV[5], ARGV[6], ARGV[7])}

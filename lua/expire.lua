@@ -1,0 +1,54 @@
+#!lua
+--[[
+  expire: expire the question if its deadline has passed; in every case report where it stands.
+  The sweeper, the keyspace-event listener, fetch, list and wait all read through this script,
+  so no path can show a pending question after its deadline.
+
+  From-states: pending and overdue -> expired. pending and not yet due, answered, expired,
+  cancelled: nothing changes.
+
+  Input:
+    KEYS[1] question         (HASH)
+    KEYS[2] deadline marker  (STRING)
+    KEYS[3] deadlines        (ZSET)   bucket deadline index
+    KEYS[4] purge            (ZSET)   bucket removal schedule
+    KEYS[5] channel          (PUBSUB) the question's channel
+    KEYS[6] outbox           (STREAM)
+    KEYS[7] stats            (HASH)
+    ARGV[1] id               question id
+    ARGV[2] call id          unique per service call, reused by client retries
+    ARGV[3] retention        ms
+    ARGV[4] outbox maxlen    approximate cap
+    ARGV[5] want fields      '1': return the fields; '0': return the code alone (sweeper)
+
+  Output:
+    {'applied', fields?}     this call expired the question (also on a re-run of this call)
+    {'stale', fields?}       already terminal
+    {'pending', fields?}     still pending: its deadline has not passed
+    {'not_found'}            no such question (never created, or removed after retention)
+
+  Events (only when a transition happens):
+    PUBLISH KEYS[5] <cjson fields>
+    XADD KEYS[6] type=question.expired id=<id> question=<cjson fields>
+    HINCRBY KEYS[7] expired 1
+]]
+--@include "now_ms"
+--@include "settled"
+--@include "expire_overdue"
+local now = now_ms()
+local q = redis.call('HMGET', KEYS[1], 'state', 'expires_ms', 'tcall')
+if not q[1] then
+  return {'not_found'}
+end
+local reply
+if q[1] ~= 'pending' then
+  reply = settled(q[3], ARGV[2])
+elseif now >= tonumber(q[2]) then
+  reply = {'applied', expire_overdue(ARGV[1], tonumber(q[2]), ARGV[2], ARGV[3], ARGV[4])}
+else
+  reply = {'pending', redis.call('HGETALL', KEYS[1])}
+end
+if ARGV[5] ~= '1' then
+  return {reply[1]}
+end
+return reply

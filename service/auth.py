@@ -1,0 +1,225 @@
+"""Principals, bearer tokens (stored only as SHA-256 hashes) and rooms.
+
+All directory keys share the ``{dir}`` hash tag, so a membership edit is one MULTI transaction
+even on Redis Cluster.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
+
+from service.errors import Conflict, Invalid, NotFound
+from service.keys import Keys
+from service.model import IDENTIFIER, Kind, Principal
+
+TOKEN_PREFIX = "qs_"
+_TOKEN = re.compile(r"^qs_([0-9a-f]{12})_[A-Za-z0-9_-]{43}$")
+_TOKEN_REF = re.compile(r"^(?:qs_)?([0-9a-f]{12})(?:_.*)?$")
+BOOTSTRAP_ADMIN = Principal("admin", Kind.ADMIN, "bootstrap admin")
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def new_token() -> tuple[str, str]:
+    """(token, token id): 48 bits of public id and 256 bits of secret."""
+    token_id = secrets.token_hex(6)
+    return f"{TOKEN_PREFIX}{token_id}_{secrets.token_urlsafe(32)}", token_id
+
+
+@dataclass(frozen=True, slots=True)
+class IssuedToken:
+    token: str
+    token_id: str
+    principal: Principal
+    expires_in: int | None
+
+
+class TokenCache:
+    """Token hash -> principal for a few seconds, so a hot client costs no Redis call per request.
+    A revocation takes effect on other processes after at most `ttl` seconds."""
+
+    def __init__(self, ttl: float, size: int = 50_000) -> None:
+        self.ttl = ttl
+        self.size = size
+        self._entries: dict[str, tuple[float, Principal]] = {}
+
+    def get(self, token_hash: str) -> Principal | None:
+        entry = self._entries.get(token_hash)
+        if entry is None or entry[0] < time.monotonic():
+            return None
+        return entry[1]
+
+    def put(self, token_hash: str, principal: Principal) -> None:
+        if self.ttl <= 0:
+            return
+        if len(self._entries) >= self.size:
+            self._entries.clear()
+        self._entries[token_hash] = (time.monotonic() + self.ttl, principal)
+
+    def drop(self, token_hash: str) -> None:
+        self._entries.pop(token_hash, None)
+
+
+class Directory:
+    def __init__(self, redis: Redis, keys: Keys, admin_token: str = "", cache_seconds: float = 0):
+        self.redis = redis
+        self.keys = keys
+        self.admin_token = admin_token
+        self.cache = TokenCache(cache_seconds)
+
+    # -- principals -----------------------------------------------------------------------------
+
+    async def create_principal(self, principal: Principal) -> Principal:
+        check_identifier(principal.id, "principal id")
+        key = self.keys.principal(principal.id)
+
+        async def create(pipe: Pipeline) -> None:
+            if await pipe.exists(key):
+                raise Conflict(f"principal {principal.id!r} already exists")
+            pipe.multi()
+            pipe.hset(
+                key,
+                mapping={
+                    "id": principal.id,
+                    "kind": principal.kind.value,
+                    "display_name": principal.display_name,
+                    "created_at": str(int(time.time())),
+                },
+            )
+
+        await self.redis.transaction(create, key)
+        return principal
+
+    async def principal(self, principal_id: str) -> Principal | None:
+        if not IDENTIFIER.match(principal_id):
+            return None
+        found = await self.redis.hmget(self.keys.principal(principal_id), "kind", "display_name")
+        if found[0] is None:
+            return None
+        return Principal(principal_id, Kind(found[0]), found[1] or "")
+
+    async def require_principal(self, principal_id: str) -> Principal:
+        principal = await self.principal(principal_id)
+        if principal is None:
+            raise NotFound(f"no principal {principal_id!r}")
+        return principal
+
+    # -- tokens ---------------------------------------------------------------------------------
+
+    async def issue_token(self, principal_id: str, expires_in: int | None = None) -> IssuedToken:
+        principal = await self.require_principal(principal_id)
+        token, token_id = new_token()
+        digest = hash_token(token)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(self.keys.token(digest), mapping={"principal": principal.id, "id": token_id})
+            pipe.set(self.keys.token_id(token_id), digest)
+            if expires_in is not None:
+                pipe.expire(self.keys.token(digest), expires_in)
+                pipe.expire(self.keys.token_id(token_id), expires_in)
+            await pipe.execute()
+        return IssuedToken(token, token_id, principal, expires_in)
+
+    async def revoke_token(self, reference: str) -> bool:
+        """Revoke by token id, by its public prefix ``qs_<id>``, or by the whole token."""
+        match = _TOKEN_REF.match(reference)
+        if not match:
+            return False
+        digest = await self.redis.getdel(self.keys.token_id(match.group(1)))
+        if digest is None:
+            return False
+        await self.redis.delete(self.keys.token(digest))
+        self.cache.drop(digest)
+        return True
+
+    async def authenticate(self, token: str) -> Principal | None:
+        if self.admin_token and hmac.compare_digest(token.encode(), self.admin_token.encode()):
+            return BOOTSTRAP_ADMIN
+        if not _TOKEN.match(token):
+            return None
+        digest = hash_token(token)
+        cached = self.cache.get(digest)
+        if cached is not None:
+            return cached
+        principal_id = await self.redis.hget(self.keys.token(digest), "principal")
+        principal = None if principal_id is None else await self.principal(principal_id)
+        if principal is not None:
+            self.cache.put(digest, principal)
+        return principal
+
+    # -- rooms ----------------------------------------------------------------------------------
+
+    async def room_exists(self, room: str) -> bool:
+        return bool(IDENTIFIER.match(room)) and bool(await self.redis.exists(self.keys.room(room)))
+
+    async def members(self, room: str) -> list[str]:
+        if not await self.room_exists(room):
+            raise NotFound(f"no room {room!r}")
+        return sorted(await self.redis.smembers(self.keys.room_members(room)))
+
+    async def is_member(self, room: str, user: str) -> bool:
+        return bool(await self.redis.sismember(self.keys.room_members(room), user))
+
+    async def rooms_of(self, user: str) -> list[str]:
+        return sorted(await self.redis.smembers(self.keys.user_rooms(user)))
+
+    async def set_members(self, room: str, members: Sequence[str]) -> list[str]:
+        """Create the room if needed and make `members` its exact membership."""
+        check_identifier(room, "room id")
+        wanted = set(members)
+        await self._require_users(wanted)
+        members_key = self.keys.room_members(room)
+
+        async def replace(pipe: Pipeline) -> None:
+            current = set(await pipe.smembers(members_key))
+            pipe.multi()
+            pipe.hsetnx(self.keys.room(room), "created_at", str(int(time.time())))
+            for user in current - wanted:
+                pipe.srem(self.keys.user_rooms(user), room)
+            for user in wanted - current:
+                pipe.sadd(self.keys.user_rooms(user), room)
+            pipe.delete(members_key)
+            if wanted:
+                pipe.sadd(members_key, *wanted)
+
+        await self.redis.transaction(replace, members_key)
+        return sorted(wanted)
+
+    async def add_member(self, room: str, user: str) -> None:
+        if not await self.room_exists(room):
+            raise NotFound(f"no room {room!r}")
+        await self._require_users({user})
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.sadd(self.keys.room_members(room), user)
+            pipe.sadd(self.keys.user_rooms(user), room)
+            await pipe.execute()
+
+    async def remove_member(self, room: str, user: str) -> bool:
+        if not await self.room_exists(room):
+            raise NotFound(f"no room {room!r}")
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.srem(self.keys.room_members(room), user)
+            pipe.srem(self.keys.user_rooms(user), room)
+            removed, _ = await pipe.execute()
+        return bool(removed)
+
+    async def _require_users(self, users: set[str]) -> None:
+        for user in sorted(users):
+            principal = await self.principal(user)
+            if principal is None or principal.kind is not Kind.USER:
+                raise Invalid(f"{user!r} is not a user principal")
+
+
+def check_identifier(value: str, what: str) -> None:
+    if not IDENTIFIER.match(value):
+        raise Invalid(f"{what} must match {IDENTIFIER.pattern}")

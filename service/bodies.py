@@ -1,0 +1,89 @@
+"""Request bodies as strict schemas: wrong types, unknown fields and out-of-range values are refused
+with a message naming the field. JSON and msgpack decode to the same objects first."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+from msgspec import Meta
+
+from service.errors import IdentityInBody, Invalid
+from service.model import (
+    IDENTIFIER,
+    MAX_EXPIRES_IN,
+    MAX_LABEL,
+    MAX_OPTIONS,
+    MAX_PROMPT,
+    MAX_REASON,
+    MIN_OPTIONS,
+    OPTION_ID,
+)
+
+Identifier = Annotated[str, Meta(pattern=IDENTIFIER.pattern)]
+# Fields that would name who answers: identity comes from the bearer token alone.
+IDENTITY_FIELDS = frozenset(
+    {"responder", "responder_id", "user", "user_id", "by", "answered_by", "principal",
+     "principal_id", "from", "as", "identity", "actor", "on_behalf_of"}
+)  # fmt: skip
+
+
+class Strict(msgspec.Struct, forbid_unknown_fields=True):
+    pass
+
+
+class Option(Strict):
+    id: Annotated[str, Meta(pattern=OPTION_ID.pattern)]
+    label: Annotated[str, Meta(min_length=1, max_length=MAX_LABEL)]
+
+
+class To(Strict):
+    user: Identifier | None = None
+    room: Identifier | None = None
+
+
+class Ask(Strict):
+    prompt: Annotated[str, Meta(min_length=1, max_length=MAX_PROMPT)]
+    options: Annotated[list[Option], Meta(min_length=MIN_OPTIONS, max_length=MAX_OPTIONS)]
+    to: To
+    expires_in: Annotated[int, Meta(ge=1, le=MAX_EXPIRES_IN)] | None = None
+    expires_at: str | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class Answer(Strict):
+    option: str
+
+
+class Cancel(Strict):
+    reason: Annotated[str, Meta(max_length=MAX_REASON)] = ""
+
+
+class NewPrincipal(Strict):
+    id: Identifier
+    kind: Annotated[str, Meta(pattern="^(agent|user|admin)$")]
+    display_name: Annotated[str, Meta(max_length=200)] = ""
+
+
+class NewToken(Strict):
+    expires_in: Annotated[int, Meta(ge=1, le=10 * 365 * 86400)] | None = None
+
+
+class RoomMembers(Strict):
+    members: Annotated[list[Identifier], Meta(max_length=10_000)]
+
+
+T = TypeVar("T", bound=Strict)
+
+
+def convert(value: Any, schema: type[T]) -> T:
+    if not isinstance(value, dict):
+        raise Invalid("the body must be an object")
+    if schema is Answer:
+        smuggled = IDENTITY_FIELDS & set(value)
+        if smuggled:
+            raise IdentityInBody(f"remove {sorted(smuggled)}: the responder is the token's owner")
+    try:
+        return msgspec.convert(value, schema)
+    except msgspec.ValidationError as exc:
+        raise Invalid(str(exc)) from exc

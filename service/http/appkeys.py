@@ -1,0 +1,24 @@
+"""Typed application keys: what create_app puts on the app and handlers read back."""
+
+from __future__ import annotations
+
+from aiohttp import web
+from redis.asyncio import Redis
+
+from service.auth import Directory
+from service.questions import QuestionService
+from service.scripts import Scripts
+from service.settings import Settings
+from service.store import QuestionStore
+from service.sweeper import KeyspaceListener, Sweeper
+from service.waiters import Waiters
+
+SETTINGS = web.AppKey("settings", Settings)
+REDIS = web.AppKey("redis", Redis)
+SCRIPTS = web.AppKey("scripts", Scripts)
+STORE = web.AppKey("store", QuestionStore)
+DIRECTORY = web.AppKey("directory", Directory)
+WAITERS = web.AppKey("waiters", Waiters)
+QUESTIONS = web.AppKey("questions", QuestionService)
+SWEEPER = web.AppKey("sweeper", Sweeper)
+LISTENER = web.AppKey("listener", KeyspaceListener)

@@ -1,0 +1,91 @@
+"""JSON and msgpack on the wire: reading request bodies and negotiating response bodies."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgpack
+from aiohttp import web
+
+from service.errors import Malformed, TooLarge, UnsupportedMediaType
+from service.http.appkeys import SETTINGS
+
+JSON = "application/json"
+MSGPACK = "application/msgpack"
+PROBLEM = "application/problem+json"
+_MSGPACK_TYPES = (MSGPACK, "application/x-msgpack", "application/vnd.msgpack")
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack extension type {code} is not accepted")
+
+
+def decode(raw: bytes, content_type: str) -> Any:
+    if not raw:
+        raise Malformed("the request needs a body")
+    if content_type in _MSGPACK_TYPES:
+        try:
+            return msgpack.unpackb(raw, raw=False, strict_map_key=True, ext_hook=_reject_ext)
+        except (ValueError, msgpack.UnpackException, TypeError) as exc:
+            raise Malformed(f"the body is not valid msgpack: {exc}") from exc
+    if content_type == JSON or content_type.endswith("+json"):
+        try:
+            return json.loads(raw, parse_constant=_reject_constant)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise Malformed(f"the body is not valid JSON: {exc}") from exc
+    raise UnsupportedMediaType(f"cannot read {content_type or 'a body without Content-Type'}")
+
+
+async def read_body(request: web.Request, *, optional: bool = False) -> Any:
+    """The decoded body; None for an absent body when the route allows that."""
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise TooLarge(f"the body exceeds {request.app[SETTINGS].max_body_bytes} bytes") from exc
+    if not raw and optional:
+        return None
+    return decode(raw, request.content_type)
+
+
+def wants_msgpack(request: web.Request) -> bool:
+    accept = request.headers.get("Accept", "")
+    if not accept:
+        return False
+    best: tuple[float, bool] = (-1.0, False)
+    for part in accept.split(","):
+        media, _, params = part.strip().partition(";")
+        quality = 1.0
+        for param in params.split(";"):
+            name, _, value = param.strip().partition("=")
+            if name == "q":
+                try:
+                    quality = float(value)
+                except ValueError:
+                    quality = 0.0
+        media = media.strip().lower()
+        if media in _MSGPACK_TYPES and quality > best[0]:
+            best = (quality, True)
+        elif media in (JSON, "application/*", "*/*") and quality > best[0]:
+            best = (quality, False)
+    return best[1]
+
+
+def encode_json(body: Any) -> bytes:
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def respond(
+    request: web.Request, body: Any, *, status: int = 200, headers: dict[str, str] | None = None
+) -> web.Response:
+    if wants_msgpack(request):
+        payload, content_type = msgpack.packb(body, use_bin_type=True), MSGPACK
+    else:
+        payload, content_type = encode_json(body), JSON
+    response = web.Response(body=payload, status=status, headers=headers)
+    response.content_type = content_type
+    return response

@@ -1,0 +1,266 @@
+"""HTTP handlers: parse, call the domain, shape the reply. One routes table at the bottom."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from service import bodies
+from service.bodies import IDENTITY_FIELDS
+from service.errors import Forbidden, IdentityInBody, Invalid, NotFound, Unauthenticated
+from service.http.appkeys import DIRECTORY, QUESTIONS, REDIS, SCRIPTS, SETTINGS
+from service.http.codec import read_body, respond
+from service.model import Kind, Principal, Question, State
+from service.questions import Outcome
+
+PRINCIPAL = web.RequestKey("principal", Principal)
+_PREFER_WAIT = re.compile(r"(?:^|[,;\s])wait\s*=\s*\"?(\d+(?:\.\d+)?)\"?", re.IGNORECASE)
+_IDEMPOTENCY_KEY = re.compile(r'^"?([\x21\x23-\x7e]{1,255})"?$')
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every /v1 route needs `Authorization: Bearer <token>`; the principal comes from it alone."""
+    if request.path.startswith("/v1/"):
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise Unauthenticated("send Authorization: Bearer <token>")
+        principal = await request.app[DIRECTORY].authenticate(token.strip())
+        if principal is None:
+            raise Unauthenticated("the token is unknown, revoked or expired")
+        request[PRINCIPAL] = principal
+    return await handler(request)
+
+
+def envelope_reply(question: Question) -> dict[str, Any]:
+    return question.envelope()
+
+
+def outcome_reply(outcome: Outcome) -> dict[str, Any]:
+    return {"applied": outcome.applied, "question": outcome.question.envelope()}
+
+
+# -- questions ----------------------------------------------------------------------------------
+
+
+async def ask(request: web.Request) -> web.Response:
+    body = bodies.convert(await read_body(request), bodies.Ask)
+    key = idempotency_key(request)
+    question, created = await request.app[QUESTIONS].ask(request[PRINCIPAL], body, key)
+    location = f"/v1/questions/{question.id}"
+    return respond(
+        request, question.envelope(), status=201 if created else 200, headers={"Location": location}
+    )
+
+
+async def get_question(request: web.Request) -> web.Response:
+    question = await request.app[QUESTIONS].get(request[PRINCIPAL], request.match_info["id"])
+    return respond(request, question.envelope())
+
+
+async def list_questions(request: web.Request) -> web.Response:
+    q = request.query
+    allowed = {"state", "role", "room", "limit", "cursor"}
+    unknown = set(q) - allowed
+    if unknown:
+        raise Invalid(f"unknown query parameters {sorted(unknown)}; allowed: {sorted(allowed)}")
+    state = choice(q.get("state"), [s.value for s in State], "state")
+    role = choice(q.get("role"), ["asker", "responder"], "role")
+    page = await request.app[QUESTIONS].list(
+        request[PRINCIPAL],
+        role=role,
+        state=State(state) if state else None,
+        room=q.get("room") or None,
+        limit=bounded_int(q.get("limit"), "limit", 1, 200, default=50),
+        cursor=q.get("cursor") or None,
+    )
+    items = [item.envelope() for item in page.items]
+    return respond(request, {"items": items, "next_cursor": page.next_cursor})
+
+
+async def answer(request: web.Request) -> web.Response:
+    smuggled = IDENTITY_FIELDS & set(request.query)
+    if smuggled:
+        raise IdentityInBody(f"remove {sorted(smuggled)}: the responder is the token's owner")
+    body = bodies.convert(await read_body(request), bodies.Answer)
+    outcome = await request.app[QUESTIONS].answer(
+        request[PRINCIPAL], request.match_info["id"], body.option
+    )
+    return respond(request, outcome_reply(outcome))
+
+
+async def cancel(request: web.Request) -> web.Response:
+    raw = await read_body(request, optional=True)
+    body = bodies.Cancel() if raw is None else bodies.convert(raw, bodies.Cancel)
+    outcome = await request.app[QUESTIONS].cancel(
+        request[PRINCIPAL], request.match_info["id"], body.reason
+    )
+    return respond(request, outcome_reply(outcome))
+
+
+async def wait(request: web.Request) -> web.Response:
+    timeout = wait_seconds(request)
+    question = await request.app[QUESTIONS].wait(
+        request[PRINCIPAL], request.match_info["id"], timeout
+    )
+    headers = {"Preference-Applied": f"wait={timeout:g}"} if "Prefer" in request.headers else {}
+    return respond(request, question.envelope(), headers=headers)
+
+
+def wait_seconds(request: web.Request) -> float:
+    """`?timeout=S` or `Prefer: wait=S` (RFC 7240), clamped to the configured maximum."""
+    settings = request.app[SETTINGS]
+    raw = request.query.get("timeout")
+    if raw is None:
+        match = _PREFER_WAIT.search(request.headers.get("Prefer", ""))
+        raw = match.group(1) if match else None
+    if raw is None:
+        return settings.wait_default_seconds
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise Invalid("timeout must be a number of seconds") from None
+    if not 0 <= seconds < float("inf"):
+        raise Invalid("timeout must be a non-negative number of seconds")
+    return min(seconds, settings.wait_max_seconds)
+
+
+def idempotency_key(request: web.Request) -> str | None:
+    raw = request.headers.get("Idempotency-Key")
+    if raw is None:
+        return None
+    match = _IDEMPOTENCY_KEY.match(raw.strip())
+    if not match:
+        raise Invalid("Idempotency-Key must be 1-255 visible ASCII characters")
+    return match.group(1)
+
+
+def choice(value: str | None, allowed: list[str], name: str) -> str | None:
+    if value is None or value == "":
+        return None
+    if value not in allowed:
+        raise Invalid(f"{name} must be one of {allowed}")
+    return value
+
+
+def bounded_int(value: str | None, name: str, low: int, high: int, *, default: int) -> int:
+    if value is None:
+        return default
+    if not value.isdigit() or not low <= int(value) <= high:
+        raise Invalid(f"{name} must be an integer from {low} to {high}")
+    return int(value)
+
+
+# -- admin --------------------------------------------------------------------------------------
+
+
+def require_admin(request: web.Request) -> None:
+    if request[PRINCIPAL].kind is not Kind.ADMIN:
+        raise Forbidden("admin routes need an admin token")
+
+
+async def create_principal(request: web.Request) -> web.Response:
+    require_admin(request)
+    body = bodies.convert(await read_body(request), bodies.NewPrincipal)
+    directory = request.app[DIRECTORY]
+    principal = await directory.create_principal(
+        Principal(body.id, Kind(body.kind), body.display_name)
+    )
+    issued = await directory.issue_token(principal.id)
+    return respond(
+        request,
+        {"principal": principal.public(), "token": issued.token, "token_id": issued.token_id},
+        status=201,
+        headers={"Location": f"/v1/admin/principals/{principal.id}"},
+    )
+
+
+async def issue_token(request: web.Request) -> web.Response:
+    require_admin(request)
+    raw = await read_body(request, optional=True)
+    body = bodies.NewToken() if raw is None else bodies.convert(raw, bodies.NewToken)
+    issued = await request.app[DIRECTORY].issue_token(request.match_info["id"], body.expires_in)
+    reply = {
+        "principal": issued.principal.public(),
+        "token": issued.token,
+        "token_id": issued.token_id,
+        "expires_in": issued.expires_in,
+    }
+    return respond(request, reply, status=201)
+
+
+async def revoke_token(request: web.Request) -> web.Response:
+    require_admin(request)
+    reference = request.match_info["ref"]
+    if not await request.app[DIRECTORY].revoke_token(reference):
+        raise NotFound(f"no token {reference!r}")
+    return web.Response(status=204)
+
+
+async def put_room(request: web.Request) -> web.Response:
+    require_admin(request)
+    body = bodies.convert(await read_body(request), bodies.RoomMembers)
+    room = request.match_info["room"]
+    members = await request.app[DIRECTORY].set_members(room, body.members)
+    return respond(request, {"room": room, "members": members})
+
+
+async def get_room(request: web.Request) -> web.Response:
+    require_admin(request)
+    room = request.match_info["room"]
+    return respond(request, {"room": room, "members": await request.app[DIRECTORY].members(room)})
+
+
+async def put_member(request: web.Request) -> web.Response:
+    require_admin(request)
+    room, user = request.match_info["room"], request.match_info["user"]
+    await request.app[DIRECTORY].add_member(room, user)
+    return respond(request, {"room": room, "members": await request.app[DIRECTORY].members(room)})
+
+
+async def delete_member(request: web.Request) -> web.Response:
+    require_admin(request)
+    room, user = request.match_info["room"], request.match_info["user"]
+    if not await request.app[DIRECTORY].remove_member(room, user):
+        raise NotFound(f"{user!r} is not a member of room {room!r}")
+    return web.Response(status=204)
+
+
+# -- health -------------------------------------------------------------------------------------
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return respond(request, {"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Ready when Redis answers and every script is loaded (loading them if Redis lost them)."""
+    scripts = request.app[SCRIPTS]
+    await request.app[REDIS].ping()
+    if not await scripts.loaded():
+        await scripts.load_all()
+    return respond(request, {"status": "ready"})
+
+
+ROUTES = [
+    web.get("/healthz", healthz),
+    web.get("/readyz", readyz),
+    web.post("/v1/questions", ask),
+    web.get("/v1/questions", list_questions),
+    web.get("/v1/questions/{id}", get_question),
+    web.post("/v1/questions/{id}/answer", answer),
+    web.post("/v1/questions/{id}/cancel", cancel),
+    web.get("/v1/questions/{id}/wait", wait),
+    web.post("/v1/admin/principals", create_principal),
+    web.post("/v1/admin/principals/{id}/tokens", issue_token),
+    web.delete("/v1/admin/tokens/{ref}", revoke_token),
+    web.put("/v1/admin/rooms/{room}", put_room),
+    web.get("/v1/admin/rooms/{room}", get_room),
+    web.put("/v1/admin/rooms/{room}/members/{user}", put_member),
+    web.delete("/v1/admin/rooms/{room}/members/{user}", delete_member),
+]

@@ -1,0 +1,130 @@
+"""States, principals and the envelope: the one shape every path returns, built here alone."""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from service.scripts import Fields
+
+IDENTIFIER = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+OPTION_ID = re.compile(r"^[a-z0-9_-]{1,32}$")
+
+MAX_PROMPT = 2000
+MAX_LABEL = 80
+MAX_REASON = 500
+MIN_OPTIONS, MAX_OPTIONS = 2, 10
+MAX_METADATA_BYTES = 8 * 1024
+MAX_EXPIRES_IN = 2_592_000  # 30 days, in seconds
+
+
+class State(enum.StrEnum):
+    PENDING = "pending"
+    ANSWERED = "answered"
+    EXPIRED = "expired"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self is not State.PENDING
+
+
+class Kind(enum.StrEnum):
+    AGENT = "agent"
+    USER = "user"
+    ADMIN = "admin"
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    id: str
+    kind: Kind
+    display_name: str = ""
+
+    def public(self) -> dict[str, Any]:
+        return {"id": self.id, "kind": self.kind.value, "display_name": self.display_name}
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    kind: str  # "user" | "room"
+    id: str
+
+    def public(self) -> dict[str, str]:
+        return {self.kind: self.id}
+
+
+@dataclass(frozen=True, slots=True)
+class Question:
+    """A question as stored: the fields a script returned, with typed access to what decides."""
+
+    fields: Fields
+
+    @property
+    def id(self) -> str:
+        return self.fields["id"]
+
+    @property
+    def state(self) -> State:
+        return State(self.fields["state"])
+
+    @property
+    def asker(self) -> str:
+        return self.fields["asker"]
+
+    @property
+    def target(self) -> Target:
+        return Target(self.fields["to_kind"], self.fields["to_id"])
+
+    def option_ids(self) -> list[str]:
+        return [o for o in self.fields["opt_ids"].split("|") if o]
+
+    def envelope(self) -> dict[str, Any]:
+        return envelope(self.fields)
+
+
+def timestamp(ms: int | str) -> str:
+    """RFC 3339 UTC with milliseconds, from Redis TIME milliseconds."""
+    moment = datetime.fromtimestamp(int(ms) / 1000, tz=UTC)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{int(ms) % 1000:03d}Z"
+
+
+def envelope(f: Fields) -> dict[str, Any]:
+    """The envelope, from stored fields alone, so every path gives the same bytes."""
+    state = State(f["state"])
+    answer = None
+    if state is State.ANSWERED:
+        answer = {
+            "option": f["ans_option"],
+            "responder": f["ans_by"],
+            "answered_at": timestamp(f["ans_ms"]),
+        }
+    cancellation = None
+    if state is State.CANCELLED:
+        cancellation = {"by": f["cancel_by"], "reason": f["cancel_reason"] or None}
+    return {
+        "id": f["id"],
+        "state": state.value,
+        "prompt": f["prompt"],
+        "options": json.loads(f["options"]),
+        "to": {f["to_kind"]: f["to_id"]},
+        "asker": f["asker"],
+        "created_at": timestamp(f["created_ms"]),
+        "expires_at": timestamp(f["expires_ms"]),
+        "resolved_at": timestamp(f["resolved_ms"]) if state.terminal else None,
+        "answer": answer,
+        "cancellation": cancellation,
+        "metadata": json.loads(f["meta"]),
+        "version": int(f["version"]),
+    }
+
+
+def canonical_json(value: Any) -> str:
+    """Compact, key-sorted JSON: what the service stores and hashes."""
+    return json.dumps(
+        value, separators=(",", ":"), sort_keys=True, ensure_ascii=False, allow_nan=False
+    )

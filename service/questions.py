@@ -1,0 +1,243 @@
+"""The domain: who may do what to which question, and which store call does it. No Redis here."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from datetime import datetime
+
+from service.auth import Directory
+from service.bodies import Ask
+from service.errors import Forbidden, Invalid, NotFound
+from service.keys import QUESTION_ID
+from service.model import (
+    MAX_METADATA_BYTES,
+    Kind,
+    Principal,
+    Question,
+    State,
+    Target,
+    canonical_json,
+)
+from service.scripts import Code, Reply
+from service.store import BadCursor, NewQuestion, Page, QuestionStore
+from service.waiters import Waiters
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """The reply to a transition request: whether this request changed the state, and the story."""
+
+    applied: bool
+    question: Question
+
+
+class QuestionService:
+    def __init__(self, store: QuestionStore, directory: Directory, waiters: Waiters) -> None:
+        self.store = store
+        self.directory = directory
+        self.waiters = waiters
+
+    # -- ask ------------------------------------------------------------------------------------
+
+    async def ask(
+        self, asker: Principal, body: Ask, idempotency_key: str | None
+    ) -> tuple[Question, bool]:
+        """Create a question; (question, True) when created, (original, False) on a replay."""
+        require_kind(asker, Kind.AGENT, "only agents ask questions")
+        new = NewQuestion(
+            asker=asker.id,
+            target=await self._target(body),
+            prompt=body.prompt,
+            options_json=canonical_json([{"id": o.id, "label": o.label} for o in body.options]),
+            option_ids=unique_option_ids(body),
+            metadata_json=metadata_json(body),
+            expires_in_ms=(body.expires_in or 0) * 1000,
+            expires_at_ms=deadline_ms(body),
+            digest=request_digest(body),
+        )
+        reply = await self.store.create(new, idempotency_key)
+        if reply.code is Code.CREATED:
+            return question_of(reply), True
+        if reply.code is Code.REPLAYED:
+            original = await self.store.read(reply.value or "")
+            if original is None:
+                raise NotFound("the question this Idempotency-Key created no longer exists")
+            return original, False
+        if reply.code is Code.IDEMPOTENCY_CONFLICT:
+            raise Invalid("this Idempotency-Key was used with a different request body")
+        raise Invalid("expires_at must be in the future and at most 30 days away")
+
+    async def _target(self, body: Ask) -> Target:
+        to = body.to
+        if (to.user is None) == (to.room is None):
+            raise Invalid("'to' must name exactly one of 'user' or 'room'")
+        if to.user is not None:
+            user = await self.directory.principal(to.user)
+            if user is None or user.kind is not Kind.USER:
+                raise Invalid(f"no user {to.user!r}")
+            return Target("user", to.user)
+        assert to.room is not None
+        if not await self.directory.room_exists(to.room):
+            raise Invalid(f"no room {to.room!r}")
+        return Target("room", to.room)
+
+    # -- read -----------------------------------------------------------------------------------
+
+    async def get(self, principal: Principal, question_id: str) -> Question:
+        question = await self.store.read(question_id) if QUESTION_ID.match(question_id) else None
+        if question is None or not await self.visible(principal, question):
+            raise NotFound(f"no question {question_id!r}")
+        return question
+
+    async def visible(self, principal: Principal, question: Question) -> bool:
+        if principal.kind is Kind.ADMIN or principal.id == question.asker:
+            return True
+        target = question.target
+        if principal.kind is not Kind.USER:
+            return False
+        if target.kind == "user":
+            return target.id == principal.id
+        return await self.directory.is_member(target.id, principal.id)
+
+    async def wait(self, principal: Principal, question_id: str, timeout: float) -> Question:
+        question = await self.get(principal, question_id)
+        if question.state.terminal or timeout <= 0:
+            return question
+        woken = await self.waiters.wait(question_id, timeout)
+        if woken is not None:
+            return woken
+        # Timed out (or the question vanished): the hash is the truth.
+        return await self.get(principal, question_id)
+
+    async def list(
+        self,
+        principal: Principal,
+        *,
+        role: str | None,
+        state: State | None,
+        room: str | None,
+        limit: int,
+        cursor: str | None,
+    ) -> Page:
+        role = role or ("responder" if principal.kind is Kind.USER else "asker")
+        if principal.kind is Kind.ADMIN:
+            if room is None:
+                raise Invalid("admins list one room at a time: add room=<id>")
+            index = self.store.index_keys(None, [Target("room", room)])
+        elif role == "asker":
+            require_kind(principal, Kind.AGENT, "role=asker lists an agent's own questions")
+            index = self.store.index_keys(principal.id, [])
+        else:
+            require_kind(principal, Kind.USER, "role=responder lists what a user may answer")
+            index = self.store.index_keys(None, await self._responder_targets(principal, room))
+
+        def keep(q: Question) -> bool:
+            if state is not None and q.state is not state:
+                return False
+            return room is None or q.target == Target("room", room)
+
+        try:
+            return await self.store.page(index, cursor=cursor, limit=limit, keep=keep)
+        except BadCursor as exc:
+            raise Invalid("cursor is not one this service issued") from exc
+
+    async def _responder_targets(self, user: Principal, room: str | None) -> list[Target]:
+        if room is not None:
+            if not await self.directory.is_member(room, user.id):
+                raise Forbidden(f"{user.id!r} is not a member of room {room!r}")
+            return [Target("room", room)]
+        rooms = await self.directory.rooms_of(user.id)
+        return [Target("user", user.id), *(Target("room", r) for r in rooms)]
+
+    # -- transitions ----------------------------------------------------------------------------
+
+    async def answer(self, principal: Principal, question_id: str, option: str) -> Outcome:
+        if not QUESTION_ID.match(question_id):
+            raise NotFound(f"no question {question_id!r}")
+        if principal.kind is not Kind.USER:
+            await self.get(principal, question_id)  # 404 unless it may see the question
+            raise Forbidden("only the target user or a member of the target room may answer")
+        rooms = await self.directory.rooms_of(principal.id)
+        reply = await self.store.answer(question_id, principal.id, option, rooms)
+        if reply.code is Code.NOT_ELIGIBLE:
+            raise NotFound(f"no question {question_id!r}")  # for users, eligible == visible
+        if reply.code is Code.UNKNOWN_OPTION:
+            raise Invalid(f"{option!r} is not one of this question's options")
+        return outcome_of(question_id, reply)
+
+    async def cancel(self, principal: Principal, question_id: str, reason: str) -> Outcome:
+        if not QUESTION_ID.match(question_id):
+            raise NotFound(f"no question {question_id!r}")
+        admin = principal.kind is Kind.ADMIN
+        reply = await self.store.cancel(question_id, principal.id, reason, any_asker=admin)
+        if reply.code is Code.NOT_ASKER:
+            if await self.visible(principal, question_of(reply)):
+                raise Forbidden("only the question's asker or an admin may cancel it")
+            raise NotFound(f"no question {question_id!r}")
+        return outcome_of(question_id, reply)
+
+
+def outcome_of(question_id: str, reply: Reply) -> Outcome:
+    if reply.code is Code.NOT_FOUND:
+        raise NotFound(f"no question {question_id!r}")
+    return Outcome(reply.code is Code.APPLIED, question_of(reply))
+
+
+def question_of(reply: Reply) -> Question:
+    if reply.fields is None:
+        raise RuntimeError(f"script reply {reply.code} carries no question")
+    return Question(reply.fields)
+
+
+def require_kind(principal: Principal, kind: Kind, why: str) -> None:
+    if principal.kind is not kind:
+        raise Forbidden(why)
+
+
+def unique_option_ids(body: Ask) -> list[str]:
+    ids = [o.id for o in body.options]
+    if len(set(ids)) != len(ids):
+        raise Invalid("option ids must be unique")
+    return ids
+
+
+def metadata_json(body: Ask) -> str:
+    try:
+        encoded = canonical_json(body.metadata or {})
+    except (TypeError, ValueError) as exc:
+        raise Invalid("metadata must be JSON-compatible (no binary, no non-finite numbers)") from exc
+    if len(encoded.encode()) > MAX_METADATA_BYTES:
+        raise Invalid(f"metadata encodes to more than {MAX_METADATA_BYTES} bytes")
+    return encoded
+
+
+def deadline_ms(body: Ask) -> int:
+    """The absolute deadline in ms, or 0 when `expires_in` is used. Its distance from Redis TIME
+    is checked inside the create script: the service host's clock decides nothing."""
+    if (body.expires_in is None) == (body.expires_at is None):
+        raise Invalid("give exactly one of expires_in (seconds) or expires_at (RFC 3339)")
+    if body.expires_at is None:
+        return 0
+    try:
+        moment = datetime.fromisoformat(body.expires_at)
+    except ValueError as exc:
+        raise Invalid("expires_at must be an RFC 3339 timestamp") from exc
+    if moment.tzinfo is None:
+        raise Invalid("expires_at must carry a timezone offset (for example Z)")
+    return int(moment.timestamp() * 1000)
+
+
+def request_digest(body: Ask) -> str:
+    """The same request sent as JSON or msgpack has the same digest."""
+    canonical = canonical_json(
+        {
+            "prompt": body.prompt,
+            "options": [[o.id, o.label] for o in body.options],
+            "to": [body.to.user, body.to.room],
+            "expires_in": body.expires_in,
+            "expires_at": body.expires_at,
+            "metadata": body.metadata,
+        }
+    )
+    return hashlib.sha256(canonical.encode()).hexdigest()

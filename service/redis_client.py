@@ -1,0 +1,43 @@
+"""The Redis client: redis-py asyncio with bounded, safe retries, or an in-process fakeredis."""
+
+from __future__ import annotations
+
+import logging
+
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+# Every state-changing script carries a call id, so a retried call that already ran reports
+# its first outcome; two retries ride out a reconnect without hiding an outage.
+RETRIES = 2
+
+
+def connect(settings: Settings) -> Redis:
+    if settings.in_memory:
+        return memory_redis()
+    return Redis.from_url(
+        settings.redis_url,
+        decode_responses=True,
+        socket_timeout=settings.redis_timeout_seconds,
+        socket_connect_timeout=settings.redis_timeout_seconds,
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), RETRIES),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+    )
+
+
+def memory_redis() -> Redis:
+    import fakeredis  # only the in-memory mode needs it
+
+    log.warning(
+        "QS_REDIS_URL=memory:// -- using an in-process fakeredis: NOTHING IS KEPT, no other "
+        "process can see this data, and keyspace notifications do not exist (the sweeper alone "
+        "enforces deadlines). Use a real Redis for anything but a first look."
+    )
+    redis: Redis = fakeredis.FakeAsyncRedis(decode_responses=True)
+    return redis

@@ -1,0 +1,189 @@
+"""Loads lua/, registers each script once per client, and maps every script reply to a Python result.
+
+Each script's header is the contract: the ``KEYS[i] name`` and ``ARGV[i] name`` lines fix the
+order, and callers pass keys and arguments *by those names*, so the order lives in one place
+(the Lua file) and cannot drift from the Python side.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.resources
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.commands.core import AsyncScript
+
+SCRIPT_NAMES = ("create", "answer", "cancel", "expire", "purge")
+_INCLUDE = re.compile(r'^--@include "([a-z_]+)"\s*$')
+_HEADER_NAME = re.compile(r"^\s*(KEYS|ARGV)\[(\d+)\]\s+(.+?)(?:\s{2,}|$)")
+SHEBANG = "#!lua"
+
+
+class ScriptMisuse(RuntimeError):
+    """A script refused its input with an error reply: a bug in the caller, not a user error."""
+
+
+class Code(enum.StrEnum):
+    CREATED = "created"
+    REPLAYED = "replayed"
+    IDEMPOTENCY_CONFLICT = "idempotency_conflict"
+    BAD_DEADLINE = "bad_deadline"
+    APPLIED = "applied"
+    STALE = "stale"
+    PENDING = "pending"
+    NOT_FOUND = "not_found"
+    NOT_ELIGIBLE = "not_eligible"
+    NOT_ASKER = "not_asker"
+    UNKNOWN_OPTION = "unknown_option"
+
+
+Fields = dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A script's outcome: a code, the question's fields when returned, or a single value."""
+
+    code: Code
+    fields: Fields | None = None
+    value: str | None = None
+
+
+def interpret(raw: Any) -> Reply:
+    """The one place where a script's return value becomes a Python result."""
+    if isinstance(raw, int):
+        return Reply(Code.APPLIED if raw else Code.STALE)
+    code = Code(raw[0])
+    if len(raw) < 2:
+        return Reply(code)
+    payload = raw[1]
+    if isinstance(payload, list):
+        return Reply(code, fields=pairs_to_fields(payload))
+    return Reply(code, value=str(payload))
+
+
+def pairs_to_fields(flat: Sequence[str]) -> Fields:
+    return dict(zip(flat[::2], flat[1::2], strict=True))
+
+
+def lua_dir() -> Path:
+    """Scripts ship inside the wheel as service/lua; a source checkout keeps them in ./lua."""
+    packaged = Path(str(importlib.resources.files("service"))) / "lua"
+    return packaged if packaged.is_dir() else Path(__file__).resolve().parent.parent / "lua"
+
+
+def expand(name: str, directory: Path | None = None) -> str:
+    """A script's source with every ``--@include "x"`` replaced by includes/x.lua, once each."""
+    base = directory or lua_dir()
+    seen: set[str] = set()
+
+    def inline(path: Path, stack: tuple[str, ...]) -> list[str]:
+        out = []
+        for line in path.read_text().splitlines():
+            match = _INCLUDE.match(line)
+            if not match:
+                out.append(line)
+                continue
+            include = match.group(1)
+            if include in stack:
+                raise ValueError(f"include cycle: {' -> '.join((*stack, include))}")
+            if include not in seen:
+                seen.add(include)
+                out.extend(inline(base / "includes" / f"{include}.lua", (*stack, include)))
+        return out
+
+    return "\n".join(inline(base / f"{name}.lua", (name,))) + "\n"
+
+
+def header_names(source: str, kind: str) -> tuple[str, ...]:
+    """The names of KEYS or ARGV in header order, checked to be numbered 1..n."""
+    found: dict[int, str] = {}
+    for line in source.splitlines():
+        match = _HEADER_NAME.match(line)
+        if match and match.group(1) == kind:
+            found[int(match.group(2))] = match.group(3).strip()
+    if sorted(found) != list(range(1, len(found) + 1)):
+        raise ValueError(f"{kind} in the header are not numbered 1..n: {sorted(found)}")
+    return tuple(found[i] for i in range(1, len(found) + 1))
+
+
+@dataclass(frozen=True)
+class LuaScript:
+    name: str
+    source: str
+    key_names: tuple[str, ...]
+    arg_names: tuple[str, ...]
+
+    @classmethod
+    def load(cls, name: str, *, shebang: bool = True, directory: Path | None = None) -> LuaScript:
+        source = expand(name, directory)
+        if not shebang and source.startswith(SHEBANG):
+            # fakeredis refuses the shebang line; real Redis needs it to refuse under OOM up front.
+            source = source.split("\n", 1)[1]
+        return cls(name, source, header_names(source, "KEYS"), header_names(source, "ARGV"))
+
+    def keys(self, named: Mapping[str, str]) -> list[str]:
+        """Keys in header order; trailing keys the caller leaves out are optional."""
+        unknown = set(named) - set(self.key_names)
+        if unknown:
+            raise KeyError(f"{self.name}.lua takes no keys named {sorted(unknown)}")
+        ordered = [named.get(n) for n in self.key_names]
+        while ordered and ordered[-1] is None:
+            ordered.pop()
+        if None in ordered:
+            raise KeyError(f"{self.name}.lua misses a key before {self.key_names[len(ordered)]}")
+        return [k for k in ordered if k is not None]
+
+    def args(self, named: Mapping[str, str | int]) -> list[str | int]:
+        if set(named) != set(self.arg_names):
+            missing = set(self.arg_names) - set(named)
+            extra = set(named) - set(self.arg_names)
+            raise KeyError(f"{self.name}.lua arguments: missing {missing}, unknown {extra}")
+        return [named[n] for n in self.arg_names]
+
+
+class Scripts:
+    """Every script registered once on one client (EVALSHA, reloaded by itself after NOSCRIPT)."""
+
+    def __init__(self, redis: Redis, *, shebang: bool = True) -> None:
+        self.redis = redis
+        self.lua = {name: LuaScript.load(name, shebang=shebang) for name in SCRIPT_NAMES}
+        self._registered: dict[str, AsyncScript] = {
+            name: redis.register_script(script.source) for name, script in self.lua.items()
+        }
+
+    async def call(
+        self, name: str, keys: Mapping[str, str], args: Mapping[str, str | int]
+    ) -> Reply:
+        script = self.lua[name]
+        raw = await self._registered[name](script.keys(keys), script.args(args))
+        return interpret(raw)
+
+    async def call_many(
+        self, name: str, calls: Sequence[tuple[Mapping[str, str], Mapping[str, str | int]]]
+    ) -> list[Reply]:
+        """Many calls of one script in one pipeline (no MULTI); each gets its own reply."""
+        if not calls:
+            return []
+        script = self.lua[name]
+        registered = self._registered[name]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for keys, args in calls:
+                await registered(script.keys(keys), script.args(args), client=pipe)
+            raws = await pipe.execute()
+        return [interpret(raw) for raw in raws]
+
+    def shas(self) -> list[str]:
+        return [s.sha for s in self._registered.values()]
+
+    async def loaded(self) -> bool:
+        return all(await self.redis.script_exists(*self.shas()))
+
+    async def load_all(self) -> None:
+        for script in self._registered.values():
+            await self.redis.script_load(script.script)
