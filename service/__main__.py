@@ -7,7 +7,7 @@ import asyncio
 import json
 import logging
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import fields
 from typing import Any
 
@@ -126,7 +126,10 @@ async def admin(settings: Settings, args: argparse.Namespace) -> Any:
         if args.action == "revoke-token":
             return {"revoked": await directory.revoke_token(args.ref)}
         if args.action == "set-room":
-            return {"room": args.room, "members": await directory.set_members(args.room, args.members)}
+            return {
+                "room": args.room,
+                "members": await directory.set_members(args.room, args.members),
+            }
         if args.action == "add-member":
             await directory.add_member(args.room, args.user)
         elif args.action == "remove-member":
@@ -151,13 +154,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         serve(settings)
         return 0
-    run: Callable[[], Awaitable[Any]]
-    if args.command == "sweep":
-        run = lambda: sweep(settings, args.once)  # noqa: E731
-    else:
-        run = lambda: admin(settings, args)  # noqa: E731
+    job: Coroutine[Any, Any, Any] = (
+        sweep(settings, args.once) if args.command == "sweep" else admin(settings, args)
+    )
     try:
-        result = asyncio.run(run())
+        result = asyncio.run(job)
     except ServiceError as exc:
         print(f"error: {exc.detail}", file=sys.stderr)
         return 1

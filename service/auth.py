@@ -87,7 +87,7 @@ class Directory:
         async def create(pipe: Pipeline) -> None:
             if await pipe.exists(key):
                 raise Conflict(f"principal {principal.id!r} already exists")
-            pipe.multi()
+            pipe.multi()  # type: ignore[no-untyped-call]
             pipe.hset(
                 key,
                 mapping={
@@ -107,7 +107,7 @@ class Directory:
         found = await self.redis.hmget(self.keys.principal(principal_id), "kind", "display_name")
         if found[0] is None:
             return None
-        return Principal(principal_id, Kind(found[0]), found[1] or "")
+        return Principal(principal_id, Kind(str(found[0])), str(found[1] or ""))
 
     async def require_principal(self, principal_id: str) -> Principal:
         principal = await self.principal(principal_id)
@@ -135,9 +135,10 @@ class Directory:
         match = _TOKEN_REF.match(reference)
         if not match:
             return False
-        digest = await self.redis.getdel(self.keys.token_id(match.group(1)))
-        if digest is None:
+        found = await self.redis.getdel(self.keys.token_id(match.group(1)))
+        if found is None:
             return False
+        digest = str(found)
         await self.redis.delete(self.keys.token(digest))
         self.cache.drop(digest)
         return True
@@ -152,7 +153,7 @@ class Directory:
         if cached is not None:
             return cached
         principal_id = await self.redis.hget(self.keys.token(digest), "principal")
-        principal = None if principal_id is None else await self.principal(principal_id)
+        principal = None if principal_id is None else await self.principal(str(principal_id))
         if principal is not None:
             self.cache.put(digest, principal)
         return principal
@@ -165,13 +166,13 @@ class Directory:
     async def members(self, room: str) -> list[str]:
         if not await self.room_exists(room):
             raise NotFound(f"no room {room!r}")
-        return sorted(await self.redis.smembers(self.keys.room_members(room)))
+        return sorted(str(m) for m in await self.redis.smembers(self.keys.room_members(room)))
 
     async def is_member(self, room: str, user: str) -> bool:
         return bool(await self.redis.sismember(self.keys.room_members(room), user))
 
     async def rooms_of(self, user: str) -> list[str]:
-        return sorted(await self.redis.smembers(self.keys.user_rooms(user)))
+        return sorted(str(r) for r in await self.redis.smembers(self.keys.user_rooms(user)))
 
     async def set_members(self, room: str, members: Sequence[str]) -> list[str]:
         """Create the room if needed and make `members` its exact membership."""
@@ -181,8 +182,8 @@ class Directory:
         members_key = self.keys.room_members(room)
 
         async def replace(pipe: Pipeline) -> None:
-            current = set(await pipe.smembers(members_key))
-            pipe.multi()
+            current = {str(m) for m in await pipe.smembers(members_key)}
+            pipe.multi()  # type: ignore[no-untyped-call]
             pipe.hsetnx(self.keys.room(room), "created_at", str(int(time.time())))
             for user in current - wanted:
                 pipe.srem(self.keys.user_rooms(user), room)

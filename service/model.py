@@ -125,6 +125,4 @@ def envelope(f: Fields) -> dict[str, Any]:
 
 def canonical_json(value: Any) -> str:
     """Compact, key-sorted JSON: what the service stores and hashes."""
-    return json.dumps(
-        value, separators=(",", ":"), sort_keys=True, ensure_ascii=False, allow_nan=False
-    )
+    return json.dumps(value, separators=(",", ":"), sort_keys=True, ensure_ascii=False, allow_nan=False)

@@ -40,9 +40,7 @@ class QuestionService:
 
     # -- ask ------------------------------------------------------------------------------------
 
-    async def ask(
-        self, asker: Principal, body: Ask, idempotency_key: str | None
-    ) -> tuple[Question, bool]:
+    async def ask(self, asker: Principal, body: Ask, idempotency_key: str | None) -> tuple[Question, bool]:
         """Create a question; (question, True) when created, (original, False) on a replay."""
         require_kind(asker, Kind.AGENT, "only agents ask questions")
         new = NewQuestion(
@@ -110,7 +108,7 @@ class QuestionService:
         # Timed out (or the question vanished): the hash is the truth.
         return await self.get(principal, question_id)
 
-    async def list(
+    async def list_page(
         self,
         principal: Principal,
         *,

@@ -157,9 +157,7 @@ class Scripts:
             name: redis.register_script(script.source) for name, script in self.lua.items()
         }
 
-    async def call(
-        self, name: str, keys: Mapping[str, str], args: Mapping[str, str | int]
-    ) -> Reply:
+    async def call(self, name: str, keys: Mapping[str, str], args: Mapping[str, str | int]) -> Reply:
         script = self.lua[name]
         raw = await self._registered[name](script.keys(keys), script.args(args))
         return interpret(raw)

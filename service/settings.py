@@ -44,9 +44,7 @@ class Settings:
     sweep_batch: int = field(
         default=1000, metadata=_doc("Most questions one sweep pass expires or purges per bucket.")
     )
-    run_sweeper: bool = field(
-        default=True, metadata=_doc("Run the deadline sweeper inside `serve`.")
-    )
+    run_sweeper: bool = field(default=True, metadata=_doc("Run the deadline sweeper inside `serve`."))
     keyspace_notifications: bool = field(
         default=True,
         metadata=_doc("Listen for keyspace expiry events (and enable `Ex` on Redis) inside `serve`."),
@@ -61,9 +59,7 @@ class Settings:
     max_body_bytes: int = field(
         default=64 * 1024, metadata=_doc("Largest request body accepted (413 above it).")
     )
-    redis_timeout_seconds: float = field(
-        default=5.0, metadata=_doc("Socket timeout of each Redis call.")
-    )
+    redis_timeout_seconds: float = field(default=5.0, metadata=_doc("Socket timeout of each Redis call."))
     auth_cache_seconds: float = field(
         default=2.0,
         metadata=_doc("How long a process caches a token lookup (revocation delay). 0: no cache."),

@@ -153,9 +153,7 @@ class QuestionStore:
             "want fields": "1" if want_fields else "0",
         }
 
-    async def answer(
-        self, question_id: str, responder: str, option: str, rooms: Sequence[str]
-    ) -> Reply:
+    async def answer(self, question_id: str, responder: str, option: str, rooms: Sequence[str]) -> Reply:
         """`rooms`: the responder's rooms, read just before; eligibility is decided in the script."""
         args: dict[str, str | int] = {
             "id": question_id,
@@ -257,9 +255,7 @@ class QuestionStore:
                 return Page(items, None)
         return Page(items, encode_cursor(upper[1:]))
 
-    async def _newest(
-        self, keys: Sequence[str], upper: str, want: int
-    ) -> tuple[list[str], list[str]]:
+    async def _newest(self, keys: Sequence[str], upper: str, want: int) -> tuple[list[str], list[str]]:
         """The `want` newest members below `upper` over all keys, and the keys that may hold
         more below the last of them."""
         async with self.redis.pipeline(transaction=False) as pipe:

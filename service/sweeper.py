@@ -83,16 +83,16 @@ class KeyspaceListener:
     async def enable_notifications(self) -> bool:
         """Make sure `notify-keyspace-events` includes `Ex`; warn when the server refuses."""
         try:
-            current = (await self.redis.config_get("notify-keyspace-events")).get(
-                "notify-keyspace-events", ""
-            )
+            config = await self.redis.config_get("notify-keyspace-events")
+            current = str(config.get("notify-keyspace-events") or "")
             if "E" in current and ("x" in current or "A" in current):
                 return True
             await self.redis.config_set("notify-keyspace-events", "".join(sorted(set(current + "Ex"))))
             return True
         except ResponseError as exc:
             log.warning(
-                "cannot enable keyspace notifications (%s); the sweeper alone enforces deadlines", exc
+                "cannot enable keyspace notifications (%s); the sweeper alone enforces deadlines",
+                exc,
             )
             return False
 
@@ -123,7 +123,7 @@ class KeyspaceListener:
                 if message is not None:
                     await self._on_expired(message["data"])
         finally:
-            await pubsub.aclose()
+            await pubsub.aclose()  # type: ignore[no-untyped-call]
 
     async def _on_expired(self, key: str) -> None:
         question_id = self.keys.question_id_from_marker(key)

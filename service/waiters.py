@@ -61,7 +61,7 @@ class Waiters:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await self._pubsub.aclose()
+        await self._pubsub.aclose()  # type: ignore[no-untyped-call]
 
     async def wait(self, question_id: str, timeout: float) -> Question | None:
         """The question once terminal, or None when `timeout` passes first (or it vanished)."""
@@ -166,4 +166,3 @@ class Waiters:
         for future in entry.futures:
             if not future.done():
                 future.set_result(fields)
-

@@ -71,7 +71,7 @@ async def list_questions(request: web.Request) -> web.Response:
         raise Invalid(f"unknown query parameters {sorted(unknown)}; allowed: {sorted(allowed)}")
     state = choice(q.get("state"), [s.value for s in State], "state")
     role = choice(q.get("role"), ["asker", "responder"], "role")
-    page = await request.app[QUESTIONS].list(
+    page = await request.app[QUESTIONS].list_page(
         request[PRINCIPAL],
         role=role,
         state=State(state) if state else None,
@@ -88,26 +88,20 @@ async def answer(request: web.Request) -> web.Response:
     if smuggled:
         raise IdentityInBody(f"remove {sorted(smuggled)}: the responder is the token's owner")
     body = bodies.convert(await read_body(request), bodies.Answer)
-    outcome = await request.app[QUESTIONS].answer(
-        request[PRINCIPAL], request.match_info["id"], body.option
-    )
+    outcome = await request.app[QUESTIONS].answer(request[PRINCIPAL], request.match_info["id"], body.option)
     return respond(request, outcome_reply(outcome))
 
 
 async def cancel(request: web.Request) -> web.Response:
     raw = await read_body(request, optional=True)
     body = bodies.Cancel() if raw is None else bodies.convert(raw, bodies.Cancel)
-    outcome = await request.app[QUESTIONS].cancel(
-        request[PRINCIPAL], request.match_info["id"], body.reason
-    )
+    outcome = await request.app[QUESTIONS].cancel(request[PRINCIPAL], request.match_info["id"], body.reason)
     return respond(request, outcome_reply(outcome))
 
 
 async def wait(request: web.Request) -> web.Response:
     timeout = wait_seconds(request)
-    question = await request.app[QUESTIONS].wait(
-        request[PRINCIPAL], request.match_info["id"], timeout
-    )
+    question = await request.app[QUESTIONS].wait(request[PRINCIPAL], request.match_info["id"], timeout)
     headers = {"Preference-Applied": f"wait={timeout:g}"} if "Prefer" in request.headers else {}
     return respond(request, question.envelope(), headers=headers)
 
@@ -168,9 +162,7 @@ async def create_principal(request: web.Request) -> web.Response:
     require_admin(request)
     body = bodies.convert(await read_body(request), bodies.NewPrincipal)
     directory = request.app[DIRECTORY]
-    principal = await directory.create_principal(
-        Principal(body.id, Kind(body.kind), body.display_name)
-    )
+    principal = await directory.create_principal(Principal(body.id, Kind(body.kind), body.display_name))
     issued = await directory.issue_token(principal.id)
     return respond(
         request,

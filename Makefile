@@ -1,0 +1,32 @@
+# The two commands a newcomer needs: `make run` and `make test`. See README.md.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint pytest bench clean
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python >= 3.11 is required (found " + sys.version.split()[0] + ")")'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e ".[dev]"
+	@touch $(STAMP)
+
+## run: serve on 127.0.0.1:8080 (QS_REDIS_URL, else a local durable redis-server, else memory)
+run: $(STAMP)
+	@deploy/dev-run.sh
+
+## test: lint, type-check, then the whole suite (what .ci/run calls)
+test: lint pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check service tests bench
+	$(BIN)/ruff format --check service tests bench
+	$(BIN)/mypy
+
+pytest: $(STAMP)
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
