@@ -136,7 +136,7 @@ class LuaScript:
         while ordered and ordered[-1] is None:
             ordered.pop()
         if None in ordered:
-            raise KeyError(f"{self.name}.lua misses a key before {self.key_names[len(ordered)]}")
+            raise KeyError(f"{self.name}.lua misses a key: {self.key_names[ordered.index(None)]}")
         return [k for k in ordered if k is not None]
 
     def args(self, named: Mapping[str, str | int]) -> list[str | int]:
