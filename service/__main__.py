@@ -91,8 +91,9 @@ async def sweep(settings: Settings, once: bool) -> None:
     from service.sweeper import KeyspaceListener, Sweeper
 
     redis = connect(settings)
+    scripts = Scripts(redis, shebang=not settings.in_memory)
     try:
-        store = QuestionStore(redis, Scripts(redis, shebang=not settings.in_memory), settings)
+        store = QuestionStore(redis, scripts, settings)
         sweeper = Sweeper(store, settings.sweep_interval_seconds)
         if once:
             totals = await sweeper.sweep_once()
@@ -103,6 +104,7 @@ async def sweep(settings: Settings, once: bool) -> None:
             jobs.append(KeyspaceListener(redis, store, Keys(settings.key_prefix)).run())
         await asyncio.gather(*jobs)
     finally:
+        await scripts.aclose()
         await redis.aclose()
 
 

@@ -7,7 +7,9 @@ order, and callers pass keys and arguments *by those names*, so the order lives 
 
 from __future__ import annotations
 
+import asyncio
 import enum
+import hashlib
 import importlib.resources
 import re
 from collections.abc import Mapping, Sequence
@@ -16,7 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.commands.core import AsyncScript
+from redis.exceptions import ResponseError
+
+from service.coalesce import Coalescer
+from service.errors import Unavailable
 
 SCRIPT_NAMES = ("create", "answer", "cancel", "expire", "purge")
 _INCLUDE = re.compile(r'^--@include "([a-z_]+)"\s*$')
@@ -118,6 +123,7 @@ class LuaScript:
     source: str
     key_names: tuple[str, ...]
     arg_names: tuple[str, ...]
+    sha: str
 
     @classmethod
     def load(cls, name: str, *, shebang: bool = True, directory: Path | None = None) -> LuaScript:
@@ -125,7 +131,8 @@ class LuaScript:
         if not shebang and source.startswith(SHEBANG):
             # fakeredis refuses the shebang line; real Redis needs it to refuse under OOM up front.
             source = source.split("\n", 1)[1]
-        return cls(name, source, header_names(source, "KEYS"), header_names(source, "ARGV"))
+        sha = hashlib.sha1(source.encode()).hexdigest()
+        return cls(name, source, header_names(source, "KEYS"), header_names(source, "ARGV"), sha)
 
     def keys(self, named: Mapping[str, str]) -> list[str]:
         """Keys in header order; trailing keys the caller leaves out are optional."""
@@ -147,41 +154,42 @@ class LuaScript:
         return [named[n] for n in self.arg_names]
 
 
+UNAVAILABLE = ("OOM", "MISCONF", "NOREPLICAS", "READONLY", "BUSY", "LOADING", "MASTERDOWN", "CLUSTERDOWN")
+
+
 class Scripts:
-    """Every script registered once on one client (EVALSHA, reloaded by itself after NOSCRIPT)."""
+    """Every script called by SHA through one coalescer; NOSCRIPT reloads it by itself."""
 
     def __init__(self, redis: Redis, *, shebang: bool = True) -> None:
         self.redis = redis
         self.lua = {name: LuaScript.load(name, shebang=shebang) for name in SCRIPT_NAMES}
-        self._registered: dict[str, AsyncScript] = {
-            name: redis.register_script(script.source) for name, script in self.lua.items()
-        }
+        self.coalescer = Coalescer(redis)
 
     async def call(self, name: str, keys: Mapping[str, str], args: Mapping[str, str | int]) -> Reply:
         script = self.lua[name]
-        raw = await self._registered[name](script.keys(keys), script.args(args))
-        return interpret(raw)
+        future = self.coalescer.evalsha(script.sha, script.source, script.keys(keys), script.args(args))
+        try:
+            return interpret(await future)
+        except ResponseError as exc:
+            if str(exc).startswith(UNAVAILABLE):
+                raise Unavailable(f"Redis refused the write: {exc}") from exc
+            raise ScriptMisuse(f"{name}.lua: {exc}") from exc
 
     async def call_many(
         self, name: str, calls: Sequence[tuple[Mapping[str, str], Mapping[str, str | int]]]
     ) -> list[Reply]:
-        """Many calls of one script in one pipeline (no MULTI); each gets its own reply."""
-        if not calls:
-            return []
-        script = self.lua[name]
-        registered = self._registered[name]
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for keys, args in calls:
-                await registered(script.keys(keys), script.args(args), client=pipe)
-            raws = await pipe.execute()
-        return [interpret(raw) for raw in raws]
+        """Many calls of one script; issued together, they share one pipeline."""
+        return list(await asyncio.gather(*(self.call(name, keys, args) for keys, args in calls)))
 
     def shas(self) -> list[str]:
-        return [s.sha for s in self._registered.values()]
+        return [s.sha for s in self.lua.values()]
 
     async def loaded(self) -> bool:
         return all(await self.redis.script_exists(*self.shas()))
 
     async def load_all(self) -> None:
-        for script in self._registered.values():
-            await self.redis.script_load(script.script)
+        for script in self.lua.values():
+            await self.redis.script_load(script.source)
+
+    async def aclose(self) -> None:
+        await self.coalescer.aclose()

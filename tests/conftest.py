@@ -38,6 +38,9 @@ def test_settings(redis_url: str, **changes: object) -> Settings:
     return base.replace(**changes)
 
 
+test_settings.__test__ = False  # type: ignore[attr-defined]  # a factory, not a test
+
+
 @pytest.fixture
 def settings(redis_server: RedisServer) -> Settings:
     return test_settings(redis_server.url)

@@ -64,6 +64,7 @@ async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
     app[SWEEPER] = Sweeper(store, settings.sweep_interval_seconds)
     app[LISTENER] = KeyspaceListener(redis, store, keys)
     yield
+    await scripts.aclose()
     await redis.aclose()
 
 

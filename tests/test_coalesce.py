@@ -1,0 +1,95 @@
+"""Coalesced script calls: one pipeline per event-loop turn, errors kept per call, NOSCRIPT healed."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from redis.asyncio import Redis
+
+from service.keys import Keys, new_question_id
+from service.scripts import Code, ScriptMisuse, Scripts
+from service.settings import Settings
+from service.store import QuestionStore
+from tests.conftest import test_settings
+from tests.redis_server import RedisServer
+
+
+@pytest.fixture
+async def store(redis: Redis, redis_server: RedisServer) -> QuestionStore:
+    return QuestionStore(redis, Scripts(redis), test_settings(redis_server.url))
+
+
+def reads(store: QuestionStore, count: int) -> list[asyncio.Future[object]]:
+    return [asyncio.ensure_future(store.read(new_question_id())) for _ in range(count)]
+
+
+async def test_calls_issued_in_one_turn_share_one_pipeline(store: QuestionStore) -> None:
+    coalescer = store.scripts.coalescer
+    before = coalescer.batches
+    results = await asyncio.gather(*reads(store, 200))
+    assert results == [None] * 200
+    assert coalescer.batches - before == 1
+    assert coalescer.calls >= 200
+
+
+async def test_calls_in_different_turns_are_separate_batches(store: QuestionStore) -> None:
+    coalescer = store.scripts.coalescer
+    before = coalescer.batches
+    for _ in range(3):
+        await store.read(new_question_id())
+    assert coalescer.batches - before == 3
+
+
+async def test_a_failing_call_does_not_fail_its_batch_neighbours(
+    store: QuestionStore, redis: Redis, settings: Settings
+) -> None:
+    question_id = new_question_id()
+    keys = Keys(settings.key_prefix).for_question(question_id)
+    await redis.hset(keys.question, mapping={"state": "pending", "created_ms": "1"})
+    await redis.zadd(keys.purge, {question_id: 0})
+    purge_keys = {
+        "question": keys.question,
+        "purge": keys.purge,
+        "asker index": keys.question + ":a",
+        "target index": keys.question + ":t",
+    }
+    bad = store.scripts.call("purge", purge_keys, {"id": question_id})
+    results = await asyncio.gather(bad, *reads(store, 5), return_exceptions=True)
+    assert isinstance(results[0], ScriptMisuse)
+    assert "pending" in str(results[0])
+    assert results[1:] == [None] * 5
+
+
+async def test_noscript_after_script_flush_is_healed_for_every_call_in_the_batch(
+    store: QuestionStore, redis: Redis
+) -> None:
+    await store.read(new_question_id())
+    await redis.script_flush()
+    assert not any(await redis.script_exists(*store.scripts.shas()))
+    results = await asyncio.gather(*reads(store, 20))
+    assert results == [None] * 20
+    expire_sha = store.scripts.lua["expire"].sha
+    assert (await redis.script_exists(expire_sha)) == [True]
+
+
+async def test_connection_failure_reaches_every_caller_of_the_batch() -> None:
+    server = RedisServer().start()
+    client = Redis.from_url(server.url, decode_responses=True)
+    store = QuestionStore(client, Scripts(client), test_settings(server.url))
+    try:
+        await store.read(new_question_id())
+        server.kill()
+        results = await asyncio.gather(*reads(store, 10), return_exceptions=True)
+        assert all(
+            isinstance(r, (ConnectionError, OSError)) or "Connection" in type(r).__name__ for r in results
+        ), results
+    finally:
+        await store.scripts.aclose()
+        await client.aclose()
+        server.cleanup()
+
+
+async def test_sweeper_codes_arrive_in_call_order(store: QuestionStore) -> None:
+    codes = await store.expire_many([new_question_id() for _ in range(50)])
+    assert codes == [Code.NOT_FOUND] * 50
