@@ -79,8 +79,19 @@ def serve(settings: Settings) -> None:
         create_app(settings),
         host=settings.host,
         port=settings.port,
+        loop=new_event_loop(),
+        access_log=logging.getLogger("aiohttp.access") if settings.access_log else None,
         print=lambda _: log.info("serving on http://%s:%d", settings.host, settings.port),
     )
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop where it is installed (Linux, macOS): it serves the same load with less CPU."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
 
 
 async def sweep(settings: Settings, once: bool) -> None:

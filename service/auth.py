@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
+from service.cache import Cache
 from service.errors import Conflict, Invalid, NotFound
 from service.keys import Keys
 from service.model import IDENTIFIER, Kind, Principal
@@ -45,38 +46,16 @@ class IssuedToken:
     expires_in: int | None
 
 
-class TokenCache:
-    """Token hash -> principal for a few seconds, so a hot client costs no Redis call per request.
-    A revocation takes effect on other processes after at most `ttl` seconds."""
-
-    def __init__(self, ttl: float, size: int = 50_000) -> None:
-        self.ttl = ttl
-        self.size = size
-        self._entries: dict[str, tuple[float, Principal]] = {}
-
-    def get(self, token_hash: str) -> Principal | None:
-        entry = self._entries.get(token_hash)
-        if entry is None or entry[0] < time.monotonic():
-            return None
-        return entry[1]
-
-    def put(self, token_hash: str, principal: Principal) -> None:
-        if self.ttl <= 0:
-            return
-        if len(self._entries) >= self.size:
-            self._entries.clear()
-        self._entries[token_hash] = (time.monotonic() + self.ttl, principal)
-
-    def drop(self, token_hash: str) -> None:
-        self._entries.pop(token_hash, None)
-
-
 class Directory:
     def __init__(self, redis: Redis, keys: Keys, admin_token: str = "", cache_seconds: float = 0):
         self.redis = redis
         self.keys = keys
         self.admin_token = admin_token
-        self.cache = TokenCache(cache_seconds)
+        # Token -> principal for a few seconds: a revocation reaches other processes that late.
+        self.cache: Cache[Principal] = Cache(50_000, ttl=cache_seconds)
+        # Principals and rooms are never deleted, so a positive answer stays true.
+        self._principals: Cache[Principal] = Cache(50_000)
+        self._rooms: Cache[bool] = Cache(10_000)
 
     # -- principals -----------------------------------------------------------------------------
 
@@ -104,10 +83,15 @@ class Directory:
     async def principal(self, principal_id: str) -> Principal | None:
         if not IDENTIFIER.match(principal_id):
             return None
+        known = self._principals.get(principal_id)
+        if known is not None:
+            return known
         found = await self.redis.hmget(self.keys.principal(principal_id), "kind", "display_name")
         if found[0] is None:
             return None
-        return Principal(principal_id, Kind(str(found[0])), str(found[1] or ""))
+        principal = Principal(principal_id, Kind(str(found[0])), str(found[1] or ""))
+        self._principals.put(principal_id, principal)
+        return principal
 
     async def require_principal(self, principal_id: str) -> Principal:
         principal = await self.principal(principal_id)
@@ -161,7 +145,14 @@ class Directory:
     # -- rooms ----------------------------------------------------------------------------------
 
     async def room_exists(self, room: str) -> bool:
-        return bool(IDENTIFIER.match(room)) and bool(await self.redis.exists(self.keys.room(room)))
+        if not IDENTIFIER.match(room):
+            return False
+        if self._rooms.get(room):
+            return True
+        exists = bool(await self.redis.exists(self.keys.room(room)))
+        if exists:
+            self._rooms.put(room, True)
+        return exists
 
     async def members(self, room: str) -> list[str]:
         if not await self.room_exists(room):

@@ -8,6 +8,7 @@ from datetime import datetime
 
 from service.auth import Directory
 from service.bodies import Ask
+from service.cache import Cache
 from service.errors import Forbidden, Invalid, NotFound
 from service.keys import QUESTION_ID
 from service.model import (
@@ -37,6 +38,12 @@ class QuestionService:
         self.store = store
         self.directory = directory
         self.waiters = waiters
+        # Whom a question is aimed at never changes: knowing it saves a Redis call per answer.
+        self.targets: Cache[Target] = Cache(100_000)
+
+    def _learn(self, question: Question) -> Question:
+        self.targets.put(question.id, question.target)
+        return question
 
     # -- ask ------------------------------------------------------------------------------------
 
@@ -56,7 +63,7 @@ class QuestionService:
         )
         reply = await self.store.create(new, idempotency_key)
         if reply.code is Code.CREATED:
-            return question_of(reply), True
+            return self._learn(question_of(reply)), True
         if reply.code is Code.REPLAYED:
             original = await self.store.read(reply.value or "")
             if original is None:
@@ -86,7 +93,7 @@ class QuestionService:
         question = await self.store.read(question_id) if QUESTION_ID.match(question_id) else None
         if question is None or not await self.visible(principal, question):
             raise NotFound(f"no question {question_id!r}")
-        return question
+        return self._learn(question)
 
     async def visible(self, principal: Principal, question: Question) -> bool:
         if principal.kind is Kind.ADMIN or principal.id == question.asker:
@@ -156,13 +163,23 @@ class QuestionService:
         if principal.kind is not Kind.USER:
             await self.get(principal, question_id)  # 404 unless it may see the question
             raise Forbidden("only the target user or a member of the target room may answer")
-        rooms = await self.directory.rooms_of(principal.id)
-        reply = await self.store.answer(question_id, principal.id, option, rooms)
+        reply = await self.store.answer(
+            question_id, principal.id, option, await self._rooms_for(principal, question_id)
+        )
         if reply.code is Code.NOT_ELIGIBLE:
             raise NotFound(f"no question {question_id!r}")  # for users, eligible == visible
         if reply.code is Code.UNKNOWN_OPTION:
             raise Invalid(f"{option!r} is not one of this question's options")
         return outcome_of(question_id, reply)
+
+    async def _rooms_for(self, user: Principal, question_id: str) -> list[str]:
+        """The user's rooms that matter for this question, read just before the answer."""
+        target = self.targets.get(question_id)
+        if target is None:
+            return await self.directory.rooms_of(user.id)
+        if target.kind == "room" and await self.directory.is_member(target.id, user.id):
+            return [target.id]
+        return []
 
     async def cancel(self, principal: Principal, question_id: str, reason: str) -> Outcome:
         if not QUESTION_ID.match(question_id):

@@ -68,6 +68,9 @@ class Settings:
         default=100_000, metadata=_doc("Approximate length cap of each bucket's outbox stream.")
     )
     log_level: str = field(default="INFO", metadata=_doc("Python logging level."))
+    access_log: bool = field(
+        default=False, metadata=_doc("Log one line per HTTP request (costs throughput).")
+    )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
