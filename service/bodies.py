@@ -59,6 +59,12 @@ class Cancel(Strict):
     reason: Annotated[str, Meta(max_length=MAX_REASON)] = ""
 
 
+class WaitMany(Strict):
+    ids: Annotated[list[str], Meta(min_length=1, max_length=100)]
+    timeout: Annotated[float, Meta(ge=0)] | None = None
+    mode: Annotated[str, Meta(pattern="^(any|all)$")] = "any"
+
+
 class NewPrincipal(Strict):
     id: Identifier
     kind: Annotated[str, Meta(pattern="^(agent|user|admin)$")]

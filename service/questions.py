@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -115,6 +116,29 @@ class QuestionService:
         # Timed out (or the question vanished): the hash is the truth.
         return await self.get(principal, question_id)
 
+    async def wait_many(
+        self, principal: Principal, question_ids: Sequence[str], timeout: float, *, every: bool
+    ) -> tuple[list[Question], bool]:
+        """Every question's envelope once any (or every) one is terminal, or at the timeout;
+        and whether that condition held."""
+        unique = list(dict.fromkeys(question_ids))
+        questions = await self._visible_many(principal, unique)
+        if not settled(questions, every) and timeout > 0:
+            await self.waiters.wait_many(unique, timeout, every=every)
+            questions = await self._visible_many(principal, unique)
+        return questions, settled(questions, every)
+
+    async def _visible_many(self, principal: Principal, question_ids: Sequence[str]) -> list[Question]:
+        valid = [q for q in question_ids if QUESTION_ID.match(q)]
+        found = {q.id: q for q in await self.store.read_many(valid) if q is not None}
+        missing = [q_id for q_id in question_ids if q_id not in found]
+        for question in found.values():
+            if not await self.visible(principal, question):
+                missing.append(question.id)
+        if missing:
+            raise NotFound(f"no questions {sorted(missing)}")
+        return [self._learn(found[q_id]) for q_id in question_ids]
+
     async def list_page(
         self,
         principal: Principal,
@@ -191,6 +215,11 @@ class QuestionService:
                 raise Forbidden("only the question's asker or an admin may cancel it")
             raise NotFound(f"no question {question_id!r}")
         return outcome_of(question_id, reply)
+
+
+def settled(questions: Sequence[Question], every: bool) -> bool:
+    terminal = [q.state.terminal for q in questions]
+    return all(terminal) if every else any(terminal)
 
 
 def outcome_of(question_id: str, reply: Reply) -> Outcome:

@@ -10,8 +10,10 @@ make us re-read every waited question, so a publish lost during the outage stran
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,34 +67,72 @@ class Waiters:
 
     async def wait(self, question_id: str, timeout: float) -> Question | None:
         """The question once terminal, or None when `timeout` passes first (or it vanished)."""
-        channel = self._store.channel(question_id)
-        entry = self._channels.get(channel)
-        if entry is None:
-            entry = self._channels[channel] = _Channel(question_id)
-        future: asyncio.Future[Fields] = asyncio.get_running_loop().create_future()
-        first = not entry.futures
-        entry.futures.add(future)
         try:
-            async with asyncio.timeout(timeout):
-                if first:
-                    await self._subscribe(channel, entry)
-                await entry.ready.wait()
+            async with asyncio.timeout(timeout), self._watching([question_id]) as futures:
                 question = await self._store.read(question_id)
                 if question is None or question.state.terminal:
                     return question
-                return Question(await future)
+                return Question(await futures[question_id])
         except TimeoutError:
             return None
-        finally:
-            self._leave(channel, entry, future)
 
-    async def _subscribe(self, channel: str, entry: _Channel) -> None:
-        entry.pending_subscribes += 1
-        entry.ready.clear()
+    async def wait_many(self, question_ids: Sequence[str], timeout: float, *, every: bool) -> None:
+        """Return when any (every=False) or every (every=True) one of the questions is terminal
+        or gone, or when `timeout` passes. The caller reads the outcome: the hash is the truth."""
         try:
-            await self._pubsub.subscribe(channel)
+            async with asyncio.timeout(timeout), self._watching(question_ids) as futures:
+                questions = await self._store.read_many(question_ids)
+                open_ids = [
+                    q_id
+                    for q_id, q in zip(question_ids, questions, strict=True)
+                    if q is not None and not q.state.terminal
+                ]
+                if not open_ids or (not every and len(open_ids) < len(questions)):
+                    return
+                when = asyncio.ALL_COMPLETED if every else asyncio.FIRST_COMPLETED
+                await asyncio.wait([futures[q_id] for q_id in open_ids], return_when=when)
+        except TimeoutError:
+            return
+
+    @contextlib.asynccontextmanager
+    async def _watching(
+        self, question_ids: Sequence[str]
+    ) -> AsyncIterator[dict[str, asyncio.Future[Fields]]]:
+        """Subscribed (confirmed by Redis) to every question's channel for the duration."""
+        loop = asyncio.get_running_loop()
+        joined: list[tuple[str, _Channel, asyncio.Future[Fields]]] = []
+        futures: dict[str, asyncio.Future[Fields]] = {}
+        try:
+            fresh = []
+            for question_id in dict.fromkeys(question_ids):
+                channel = self._store.channel(question_id)
+                entry = self._channels.get(channel)
+                if entry is None:
+                    entry = self._channels[channel] = _Channel(question_id)
+                future: asyncio.Future[Fields] = loop.create_future()
+                if not entry.futures:
+                    fresh.append((channel, entry))
+                entry.futures.add(future)
+                joined.append((channel, entry, future))
+                futures[question_id] = future
+            if fresh:
+                await self._subscribe(fresh)
+            for _, entry, _ in joined:
+                await entry.ready.wait()
+            yield futures
+        finally:
+            for channel, entry, future in joined:
+                self._leave(channel, entry, future)
+
+    async def _subscribe(self, fresh: Sequence[tuple[str, _Channel]]) -> None:
+        for _, entry in fresh:
+            entry.pending_subscribes += 1
+            entry.ready.clear()
+        try:
+            await self._pubsub.subscribe(*(channel for channel, _ in fresh))
         except BaseException:
-            entry.pending_subscribes -= 1
+            for _, entry in fresh:
+                entry.pending_subscribes -= 1
             raise
         self._connected.set()
 

@@ -106,6 +106,20 @@ async def wait(request: web.Request) -> web.Response:
     return respond(request, question.envelope(), headers=headers)
 
 
+async def wait_many(request: web.Request) -> web.Response:
+    body = bodies.convert(await read_body(request), bodies.WaitMany)
+    settings = request.app[SETTINGS]
+    timeout = min(
+        settings.wait_default_seconds if body.timeout is None else body.timeout,
+        settings.wait_max_seconds,
+    )
+    questions, met = await request.app[QUESTIONS].wait_many(
+        request[PRINCIPAL], body.ids, timeout, every=body.mode == "all"
+    )
+    items = [q.envelope() for q in questions]
+    return respond(request, {"items": items, "mode": body.mode, "condition_met": met})
+
+
 def wait_seconds(request: web.Request) -> float:
     """`?timeout=S` or `Prefer: wait=S` (RFC 7240), clamped to the configured maximum."""
     settings = request.app[SETTINGS]
@@ -244,6 +258,7 @@ ROUTES = [
     web.get("/readyz", readyz),
     web.post("/v1/questions", ask),
     web.get("/v1/questions", list_questions),
+    web.post("/v1/questions/wait", wait_many),
     web.get("/v1/questions/{id}", get_question),
     web.post("/v1/questions/{id}/answer", answer),
     web.post("/v1/questions/{id}/cancel", cancel),
