@@ -98,6 +98,10 @@ class Keys:
             return None
         return question_id
 
+    def events(self, principal_id: str) -> str:
+        """A principal's event stream (SSE): its own slot, filled by the relay."""
+        return f"{self.prefix}:{{p:{principal_id}}}:events"
+
     # Directory: principals, tokens and rooms share one slot, so membership edits are atomic.
     @property
     def directory(self) -> str:

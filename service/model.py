@@ -126,3 +126,8 @@ def envelope(f: Fields) -> dict[str, Any]:
 def canonical_json(value: Any) -> str:
     """Compact, key-sorted JSON: what the service stores and hashes."""
     return json.dumps(value, separators=(",", ":"), sort_keys=True, ensure_ascii=False, allow_nan=False)
+
+
+def to_json(value: Any) -> bytes:
+    """The wire JSON of every reply: compact, UTF-8, keys in the order built."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()

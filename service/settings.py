@@ -67,6 +67,15 @@ class Settings:
     outbox_maxlen: int = field(
         default=100_000, metadata=_doc("Approximate length cap of each bucket's outbox stream.")
     )
+    run_event_relay: bool = field(
+        default=True, metadata=_doc("Relay outbox events to per-principal streams inside `serve`.")
+    )
+    events_maxlen: int = field(
+        default=10_000, metadata=_doc("Approximate length cap of each principal's event stream.")
+    )
+    sse_heartbeat_seconds: float = field(
+        default=15.0, metadata=_doc("Idle time after which an event stream sends a comment line.")
+    )
     log_level: str = field(default="INFO", metadata=_doc("Python logging level."))
     access_log: bool = field(
         default=False, metadata=_doc("Log one line per HTTP request (costs throughput).")
@@ -104,6 +113,8 @@ class Settings:
             raise SettingsError("QS_KEY_PREFIX must be non-empty and free of braces, colons, spaces")
         if self.redis_timeout_seconds <= 0 or self.auth_cache_seconds < 0:
             raise SettingsError("timeouts must be positive and the auth cache non-negative")
+        if self.events_maxlen < 100 or self.sse_heartbeat_seconds <= 0:
+            raise SettingsError("QS_EVENTS_MAXLEN must be >= 100 and the SSE heartbeat positive")
         if self.outbox_maxlen < 1000:
             raise SettingsError("QS_OUTBOX_MAXLEN must be at least 1000")
 

@@ -9,11 +9,14 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from service.auth import Directory
+from service.events import EventHub, EventRelay
 from service.http.appkeys import (
     DIRECTORY,
+    EVENT_HUB,
     LISTENER,
     QUESTIONS,
     REDIS,
+    RELAY,
     SCRIPTS,
     SETTINGS,
     STORE,
@@ -43,6 +46,7 @@ def create_app(settings: Settings) -> web.Application:
     app.add_routes(ROUTES)
     app.cleanup_ctx.append(redis_ctx)
     app.cleanup_ctx.append(waiters_ctx)
+    app.cleanup_ctx.append(events_ctx)
     app.cleanup_ctx.append(background_ctx)
     return app
 
@@ -63,6 +67,9 @@ async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
     app[DIRECTORY] = Directory(redis, keys, settings.admin_token, settings.auth_cache_seconds)
     app[SWEEPER] = Sweeper(store, settings.sweep_interval_seconds)
     app[LISTENER] = KeyspaceListener(redis, store, keys)
+    app[RELAY] = EventRelay(
+        redis, keys, maxlen=settings.events_maxlen, ttl_seconds=settings.retention_seconds
+    )
     yield
     await scripts.aclose()
     await redis.aclose()
@@ -77,6 +84,22 @@ async def waiters_ctx(app: web.Application) -> AsyncIterator[None]:
     await waiters.stop()
 
 
+async def ensure_groups_quietly(relay: EventRelay) -> None:
+    """Create the relay's consumer groups before serving, so no early event goes unrelayed."""
+    try:
+        await relay.ensure_groups()
+    except STORE_DOWN as exc:
+        log.warning("cannot create the event relay's groups yet (%s); the relay will retry", exc)
+
+
+async def events_ctx(app: web.Application) -> AsyncIterator[None]:
+    hub = EventHub(app[REDIS], Keys(app[SETTINGS].key_prefix))
+    await hub.start()
+    app[EVENT_HUB] = hub
+    yield
+    await hub.stop()
+
+
 async def background_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     tasks = []
@@ -84,6 +107,9 @@ async def background_ctx(app: web.Application) -> AsyncIterator[None]:
         tasks.append(asyncio.create_task(app[SWEEPER].run(), name="sweeper"))
     if settings.keyspace_notifications and not settings.in_memory:
         tasks.append(asyncio.create_task(app[LISTENER].run(), name="keyspace-listener"))
+    if settings.run_event_relay:
+        await ensure_groups_quietly(app[RELAY])
+        tasks.append(asyncio.create_task(app[RELAY].run(), name="event-relay"))
     yield
     for task in tasks:
         task.cancel()

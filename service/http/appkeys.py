@@ -6,6 +6,7 @@ from aiohttp import web
 from redis.asyncio import Redis
 
 from service.auth import Directory
+from service.events import EventHub, EventRelay
 from service.questions import QuestionService
 from service.scripts import Scripts
 from service.settings import Settings
@@ -22,3 +23,5 @@ WAITERS = web.AppKey("waiters", Waiters)
 QUESTIONS = web.AppKey("questions", QuestionService)
 SWEEPER = web.AppKey("sweeper", Sweeper)
 LISTENER = web.AppKey("listener", KeyspaceListener)
+EVENT_HUB = web.AppKey("event_hub", EventHub)
+RELAY = web.AppKey("relay", EventRelay)

@@ -10,6 +10,7 @@ from aiohttp import web
 
 from service.errors import Malformed, TooLarge, UnsupportedMediaType
 from service.http.appkeys import SETTINGS
+from service.model import to_json
 
 JSON = "application/json"
 MSGPACK = "application/msgpack"
@@ -75,17 +76,13 @@ def wants_msgpack(request: web.Request) -> bool:
     return best[1]
 
 
-def encode_json(body: Any) -> bytes:
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
-
-
 def respond(
     request: web.Request, body: Any, *, status: int = 200, headers: dict[str, str] | None = None
 ) -> web.Response:
     if wants_msgpack(request):
         payload, content_type = msgpack.packb(body, use_bin_type=True), MSGPACK
     else:
-        payload, content_type = encode_json(body), JSON
+        payload, content_type = to_json(body), JSON
     response = web.Response(body=payload, status=status, headers=headers)
     response.content_type = content_type
     return response

@@ -11,7 +11,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from service import errors
-from service.http.codec import PROBLEM, encode_json
+from service.http.codec import PROBLEM
+from service.model import to_json
 
 log = logging.getLogger(__name__)
 PROBLEM_BASE = "https://question-service.invalid/problems/"
@@ -45,7 +46,7 @@ def problem(
         "status": status,
         "detail": detail,
     }
-    response = web.Response(body=encode_json(body), status=status, headers=headers)
+    response = web.Response(body=to_json(body), status=status, headers=headers)
     response.content_type = PROBLEM
     return response
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -11,7 +12,7 @@ from aiohttp import web
 from service import bodies
 from service.bodies import IDENTITY_FIELDS
 from service.errors import Forbidden, IdentityInBody, Invalid, NotFound, Unauthenticated
-from service.http.appkeys import DIRECTORY, QUESTIONS, REDIS, SCRIPTS, SETTINGS
+from service.http.appkeys import DIRECTORY, EVENT_HUB, QUESTIONS, REDIS, SCRIPTS, SETTINGS
 from service.http.codec import read_body, respond
 from service.model import Kind, Principal, Question, State
 from service.questions import Outcome
@@ -164,6 +165,43 @@ def bounded_int(value: str | None, name: str, low: int, high: int, *, default: i
     return int(value)
 
 
+# -- events -------------------------------------------------------------------------------------
+
+_STREAM_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
+
+
+async def events(request: web.Request) -> web.StreamResponse:
+    """Server-Sent Events for the caller: question.created for what now waits for them,
+    question.resolved (the terminal envelope) for what they asked or could answer."""
+    principal = request[PRINCIPAL]
+    hub = request.app[EVENT_HUB]
+    last = request.headers.get("Last-Event-ID") or request.query.get("last_event_id")
+    if last is not None and not _STREAM_ID.match(last):
+        raise Invalid("Last-Event-ID must be an id this stream sent (like 1700000000000-0)")
+    position = last if last is not None else await hub.latest_id(principal.id)
+    subscriber = hub.subscribe(principal.id, position)
+    heartbeat = request.app[SETTINGS].sse_heartbeat_seconds
+    response = web.StreamResponse(headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    response.content_type = "text/event-stream"
+    try:
+        await response.prepare(request)
+        await response.write(b"retry: 2000\n\n")
+        while True:
+            try:
+                event = await asyncio.wait_for(subscriber.queue.get(), heartbeat)
+            except TimeoutError:
+                await response.write(b": keep-alive\n\n")
+                continue
+            if event is None:
+                break
+            await response.write(f"id: {event.id}\nevent: {event.type}\ndata: {event.data}\n\n".encode())
+    except (ConnectionResetError, ConnectionError):
+        pass  # the client left; it resumes with Last-Event-ID
+    finally:
+        hub.unsubscribe(subscriber)
+    return response
+
+
 # -- admin --------------------------------------------------------------------------------------
 
 
@@ -263,6 +301,7 @@ ROUTES = [
     web.post("/v1/questions/{id}/answer", answer),
     web.post("/v1/questions/{id}/cancel", cancel),
     web.get("/v1/questions/{id}/wait", wait),
+    web.get("/v1/events", events),
     web.post("/v1/admin/principals", create_principal),
     web.post("/v1/admin/principals/{id}/tokens", issue_token),
     web.delete("/v1/admin/tokens/{ref}", revoke_token),

@@ -1,0 +1,231 @@
+"""Per-principal event streams: the relay that fills them from the outbox, and the hub that serves
+them to Server-Sent-Events connections.
+
+The transition scripts append every committed event to their bucket's outbox stream (the only
+place that is atomic with the state change). The relay reads the outboxes with a consumer group,
+appends each event to the stream of every principal it concerns, and only then acknowledges it,
+so a relay that dies mid-way leaves the event pending for another to reclaim: at-least-once.
+Each SSE connection resumes from its Last-Event-ID; one hub per process reads every connected
+principal's stream with a single blocking XREAD, so connections cost no Redis connection each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import socket
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError, ResponseError
+
+from service.keys import BUCKETS, Keys
+from service.model import envelope, to_json
+from service.scripts import pairs_to_fields
+
+log = logging.getLogger(__name__)
+GROUP = "events"
+CREATED, RESOLVED = "question.created", "question.resolved"
+RECLAIM_IDLE_MS = 30_000
+
+
+def stream_id(raw: str) -> tuple[int, int]:
+    ms, _, seq = raw.partition("-")
+    return int(ms), int(seq or 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    id: str
+    type: str
+    data: str  # the envelope as JSON, the same bytes a fetch returns
+
+
+class EventRelay:
+    """Outbox -> per-principal streams. Any number may run at once (one consumer group)."""
+
+    def __init__(self, redis: Redis, keys: Keys, *, maxlen: int, ttl_seconds: int) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.maxlen = maxlen
+        self.ttl_seconds = ttl_seconds
+        self.consumer = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.reclaim_idle_ms = RECLAIM_IDLE_MS
+        self.relayed = 0
+
+    async def ensure_groups(self) -> None:
+        for b in range(BUCKETS):
+            try:
+                await self.redis.xgroup_create(self.keys.outbox(b), GROUP, id="0", mkstream=True)
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    async def run(self) -> None:
+        """Relay until cancelled; after any failure, log it and go on."""
+        while True:
+            try:
+                await self.ensure_groups()
+                await self._relay_forever()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("event relay failed; restarting in 1 s")
+                await asyncio.sleep(1.0)
+
+    async def _relay_forever(self) -> None:
+        streams: dict[Any, Any] = {self.keys.outbox(b): ">" for b in range(BUCKETS)}
+        next_reclaim = 0.0
+        loop = asyncio.get_running_loop()
+        while True:
+            if loop.time() >= next_reclaim:
+                await self.reclaim()
+                next_reclaim = loop.time() + self.reclaim_idle_ms / 3000
+            batches: Any = await self.redis.xreadgroup(GROUP, self.consumer, streams, count=500, block=1000)
+            for outbox, entries in batches or []:
+                await self.relay(outbox, entries)
+
+    async def reclaim(self) -> None:
+        """Take over what a dead relay left unacknowledged for too long."""
+        for b in range(BUCKETS):
+            outbox = self.keys.outbox(b)
+            claimed = await self.redis.xautoclaim(
+                outbox, GROUP, self.consumer, self.reclaim_idle_ms, "0-0", count=500
+            )
+            if claimed[1]:
+                await self.relay(outbox, claimed[1])
+
+    async def relay(self, outbox: str, entries: Sequence[tuple[str, dict[str, str]]]) -> None:
+        recipients_of: dict[str, list[str]] = {}
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for entry_id, fields in entries:
+                if not fields:
+                    continue  # trimmed away before we read it
+                kind = CREATED if fields["type"] == CREATED else RESOLVED
+                question = pairs_to_fields(json.loads(fields["question"]))
+                data = to_json(envelope(question)).decode()
+                for principal in await self._recipients(kind, question, recipients_of):
+                    stream = self.keys.events(principal)
+                    pipe.xadd(
+                        stream,
+                        {"type": kind, "data": data, "outbox": f"{outbox}/{entry_id}"},
+                        maxlen=self.maxlen,
+                        approximate=True,
+                    )
+                    pipe.expire(stream, self.ttl_seconds)
+            pipe.xack(outbox, GROUP, *(entry_id for entry_id, _ in entries))
+            await pipe.execute()
+        self.relayed += len(entries)
+
+    async def _recipients(
+        self, kind: str, question: dict[str, str], rooms: dict[str, list[str]]
+    ) -> list[str]:
+        """Those a new question waits for; for a resolved one, also its asker."""
+        if question["to_kind"] == "user":
+            targets = [question["to_id"]]
+        else:
+            room = question["to_id"]
+            if room not in rooms:
+                members = await self.redis.smembers(self.keys.room_members(room))
+                rooms[room] = sorted(str(m) for m in members)
+            targets = rooms[room]
+        return targets if kind == CREATED else [question["asker"], *targets]
+
+
+QUEUE_LIMIT = 1000
+
+
+@dataclass(eq=False)
+class _Subscriber:
+    stream: str
+    position: str
+    # One slot beyond the limit, for the None that ends a reader too slow to keep up.
+    queue: asyncio.Queue[Event | None] = field(default_factory=lambda: asyncio.Queue(QUEUE_LIMIT + 1))
+
+
+class EventHub:
+    """One blocking XREAD per process over every connected principal's stream."""
+
+    def __init__(self, redis: Redis, keys: Keys, block_ms: int = 250) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.block_ms = block_ms
+        self._subscribers: dict[str, set[_Subscriber]] = defaultdict(set)
+        self._has_subscribers = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def connections(self) -> int:
+        return sum(len(s) for s in self._subscribers.values())
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._read_loop(), name="event-hub")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for subscribers in self._subscribers.values():
+            for subscriber in subscribers:
+                subscriber.queue.put_nowait(None)
+
+    async def latest_id(self, principal: str) -> str:
+        newest = await self.redis.xrevrange(self.keys.events(principal), "+", "-", count=1)
+        return str(newest[0][0]) if newest else "0-0"
+
+    def subscribe(self, principal: str, after: str) -> _Subscriber:
+        """Deliver every event after stream id `after`: the backlog first, then live ones."""
+        subscriber = _Subscriber(self.keys.events(principal), after)
+        self._subscribers[subscriber.stream].add(subscriber)
+        self._has_subscribers.set()
+        return subscriber
+
+    def unsubscribe(self, subscriber: _Subscriber) -> None:
+        group = self._subscribers.get(subscriber.stream)
+        if group is not None:
+            group.discard(subscriber)
+            if not group:
+                del self._subscribers[subscriber.stream]
+
+    async def _read_loop(self) -> None:
+        while True:
+            if not self._subscribers:
+                self._has_subscribers.clear()
+                await self._has_subscribers.wait()
+            positions: dict[Any, Any] = {
+                stream: min((s.position for s in group), key=stream_id)
+                for stream, group in self._subscribers.items()
+            }
+            try:
+                found: Any = await self.redis.xread(positions, count=500, block=self.block_ms)
+            except asyncio.CancelledError:
+                raise
+            except RedisError as exc:
+                log.warning("event hub read failed (%s); retrying", exc)
+                await asyncio.sleep(0.5)
+                continue
+            for stream, entries in found or []:
+                self._dispatch(str(stream), entries)
+
+    def _dispatch(self, stream: str, entries: Sequence[tuple[str, dict[str, Any]]]) -> None:
+        for subscriber in list(self._subscribers.get(stream, ())):
+            for entry_id, fields in entries:
+                if stream_id(entry_id) <= stream_id(subscriber.position):
+                    continue
+                if subscriber.queue.qsize() >= QUEUE_LIMIT:
+                    # Too slow a reader: end its stream; it resumes with Last-Event-ID.
+                    self.unsubscribe(subscriber)
+                    subscriber.queue.put_nowait(None)
+                    break
+                subscriber.queue.put_nowait(_event(entry_id, fields))
+                subscriber.position = entry_id
+
+
+def _event(entry_id: str, fields: dict[str, Any]) -> Event:
+    return Event(str(entry_id), str(fields["type"]), str(fields["data"]))

@@ -1,0 +1,162 @@
+"""GET /v1/events: per-principal Server-Sent Events, relayed from the outbox, resumable."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from aiohttp import ClientResponse
+from aiohttp.test_utils import TestClient
+from redis.asyncio import Redis
+
+from service.events import GROUP, EventRelay
+from service.keys import Keys
+from tests.api import Api
+from tests.conftest import ADMIN_TOKEN, start_client, test_settings
+from tests.redis_server import RedisServer
+
+
+@asynccontextmanager
+async def stream(api: Api, token: str, last_event_id: str | None = None) -> AsyncIterator[ClientResponse]:
+    headers = {"Authorization": f"Bearer {token}"}
+    if last_event_id is not None:
+        headers["Last-Event-ID"] = last_event_id
+    async with api.client.get("/v1/events", headers=headers) as response:
+        assert response.status == 200
+        assert response.content_type == "text/event-stream"
+        yield response
+
+
+async def next_event(response: ClientResponse, timeout: float = 5) -> dict[str, Any]:
+    """The next event (id, event, data), skipping comments and the retry hint."""
+    event: dict[str, Any] = {}
+    async with asyncio.timeout(timeout):
+        while True:
+            line = (await response.content.readline()).decode().rstrip("\n")
+            if line == "":
+                if "event" in event:
+                    return event
+                event = {}
+                continue
+            name, _, value = line.partition(": ")
+            if name == "data":
+                event["data"] = json.loads(value)
+            elif name in ("id", "event"):
+                event[name] = value
+
+
+async def people(api: Api) -> tuple[str, str, str]:
+    agent = await api.principal("bot", "agent")
+    alice = await api.principal("alice", "user")
+    bob = await api.principal("bob", "user")
+    return agent, alice, bob
+
+
+async def test_target_sees_created_then_resolved_with_the_fetched_envelope(api: Api) -> None:
+    agent, alice, _ = await people(api)
+    async with stream(api, alice) as events:
+        await asyncio.sleep(0.1)
+        question = await api.ask(agent, {"user": "alice"})
+        created = await next_event(events)
+        assert created["event"] == "question.created"
+        assert created["data"]["id"] == question["id"]
+        await api.answer(alice, question["id"], "yes")
+        resolved = await next_event(events)
+    assert resolved["event"] == "question.resolved"
+    assert resolved["data"] == (await api.get(agent, question["id"])).body
+
+
+async def test_asker_sees_resolved_but_not_created(api: Api) -> None:
+    agent, _, _ = await people(api)
+    async with stream(api, agent) as events:
+        await asyncio.sleep(0.1)
+        question = await api.ask(agent, {"user": "alice"})
+        await api.cancel(agent, question["id"], "changed my mind")
+        resolved = await next_event(events)
+    assert resolved["event"] == "question.resolved"
+    assert resolved["data"]["state"] == "cancelled"
+    assert resolved["data"]["cancellation"] == {"by": "bot", "reason": "changed my mind"}
+
+
+async def test_every_room_member_hears_of_a_room_question(api: Api) -> None:
+    agent, alice, bob = await people(api)
+    await api.room("ops", ["alice", "bob"])
+    async with stream(api, alice) as a_events, stream(api, bob) as b_events:
+        await asyncio.sleep(0.1)
+        question = await api.ask(agent, {"room": "ops"})
+        for events in (a_events, b_events):
+            got = await next_event(events)
+            assert (got["event"], got["data"]["id"]) == ("question.created", question["id"])
+
+
+async def test_resume_with_last_event_id_loses_and_repeats_nothing(api: Api) -> None:
+    agent, alice, _ = await people(api)
+    async with stream(api, alice) as events:
+        await asyncio.sleep(0.1)
+        first = await api.ask(agent, {"user": "alice"})
+        seen = await next_event(events)
+        assert seen["data"]["id"] == first["id"]
+    missed = [(await api.ask(agent, {"user": "alice"}))["id"] for _ in range(5)]
+    await api.answer(alice, missed[0], "no")
+    async with stream(api, alice, last_event_id=seen["id"]) as events:
+        replayed = [await next_event(events) for _ in range(6)]
+    kinds = [(e["event"], e["data"]["id"]) for e in replayed]
+    assert kinds == [
+        *[("question.created", q) for q in missed],
+        ("question.resolved", missed[0]),
+    ]
+    ids = [e["id"] for e in replayed]
+    assert ids == sorted(ids, key=lambda i: tuple(map(int, i.split("-"))))
+    assert seen["id"] not in ids
+
+
+async def test_a_bad_last_event_id_is_refused(api: Api) -> None:
+    _, alice, _ = await people(api)
+    reply = await api.call("GET", "/v1/events", alice, headers={"Last-Event-ID": "yesterday"})
+    assert reply.status == 422
+
+
+async def test_idle_stream_sends_heartbeat_comments(redis_server: RedisServer) -> None:
+    client: TestClient[object, object] = await start_client(
+        test_settings(redis_server.url, sse_heartbeat_seconds=0.2)
+    )
+    try:
+        api = Api(client, ADMIN_TOKEN)
+        _, alice, _ = await people(api)
+        async with stream(api, alice) as events:
+            lines = [(await events.content.readline()).decode() for _ in range(4)]
+        assert ": keep-alive\n" in lines
+    finally:
+        await client.close()
+
+
+async def test_events_a_dead_relay_left_unacknowledged_are_reclaimed(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    settings = test_settings(redis_server.url, run_event_relay=False)
+    client: TestClient[object, object] = await start_client(settings)
+    keys = Keys(settings.key_prefix)
+    try:
+        api = Api(client, ADMIN_TOKEN)
+        agent, alice, _ = await people(api)
+        dead = EventRelay(redis, keys, maxlen=1000, ttl_seconds=60)
+        await dead.ensure_groups()
+        question = await api.ask(agent, {"user": "alice"})
+        outbox = keys.outbox(int(question["id"][0], 16))
+        taken = await redis.xreadgroup(GROUP, dead.consumer, {outbox: ">"}, count=10)
+        assert len(taken[0][1]) == 1  # read, then the relay "dies" without relaying or acking
+        assert await redis.xlen(keys.events("alice")) == 0
+
+        survivor = EventRelay(redis, keys, maxlen=1000, ttl_seconds=60)
+        survivor.reclaim_idle_ms = 1
+        await asyncio.sleep(0.01)
+        await survivor.reclaim()
+        async with stream(api, alice, last_event_id="0-0") as events:
+            got = await next_event(events)
+        assert (got["event"], got["data"]["id"]) == ("question.created", question["id"])
+        assert (await redis.xpending(outbox, GROUP))["pending"] == 0
+    finally:
+        await client.close()
