@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("serve", parents=[flags], help="run the HTTP service (with sweeper)")
     sweep = sub.add_parser("sweep", parents=[flags], help="run only the deadline sweeper")
     sweep.add_argument("--once", action="store_true", help="one pass, print totals, exit")
+    sub.add_parser(
+        "worker", parents=[flags], help="run the background jobs without HTTP (any number at once)"
+    )
     admin = sub.add_parser("admin", help="manage principals, tokens and rooms in Redis")
     actions = admin.add_subparsers(dest="action", required=True)
     p = actions.add_parser("create-principal", parents=[flags], help="create a principal + token")
@@ -80,6 +83,7 @@ def serve(settings: Settings) -> None:
         host=settings.host,
         port=settings.port,
         loop=new_event_loop(),
+        reuse_port=settings.reuse_port,
         access_log=logging.getLogger("aiohttp.access") if settings.access_log else None,
         print=lambda _: log.info("serving on http://%s:%d", settings.host, settings.port),
     )
@@ -94,7 +98,9 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
-async def sweep(settings: Settings, once: bool) -> None:
+async def background(settings: Settings, *, once: bool = False, sweeper_only: bool = False) -> None:
+    """The sweeper, and unless `sweeper_only`, the keyspace listener and the event relay."""
+    from service.events import EventRelay
     from service.keys import Keys
     from service.redis_client import connect
     from service.scripts import Scripts
@@ -103,6 +109,7 @@ async def sweep(settings: Settings, once: bool) -> None:
 
     redis = connect(settings)
     scripts = Scripts(redis, shebang=not settings.in_memory)
+    keys = Keys(settings.key_prefix)
     try:
         store = QuestionStore(redis, scripts, settings)
         sweeper = Sweeper(store, settings.sweep_interval_seconds)
@@ -111,8 +118,13 @@ async def sweep(settings: Settings, once: bool) -> None:
             print(json.dumps({"expired": totals.expired, "purged": totals.purged}))
             return
         jobs = [sweeper.run()]
-        if settings.keyspace_notifications and not settings.in_memory:
-            jobs.append(KeyspaceListener(redis, store, Keys(settings.key_prefix)).run())
+        if not sweeper_only and settings.keyspace_notifications and not settings.in_memory:
+            jobs.append(KeyspaceListener(redis, store, keys).run())
+        if not sweeper_only:
+            relay = EventRelay(
+                redis, keys, maxlen=settings.events_maxlen, ttl_seconds=settings.retention_seconds
+            )
+            jobs.append(relay.run())
         await asyncio.gather(*jobs)
     finally:
         await scripts.aclose()
@@ -167,9 +179,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         serve(settings)
         return 0
-    job: Coroutine[Any, Any, Any] = (
-        sweep(settings, args.once) if args.command == "sweep" else admin(settings, args)
-    )
+    job: Coroutine[Any, Any, Any]
+    if args.command == "sweep":
+        job = background(settings, once=args.once, sweeper_only=True)
+    elif args.command == "worker":
+        job = background(settings)
+    else:
+        job = admin(settings, args)
     try:
         result = asyncio.run(job)
     except ServiceError as exc:

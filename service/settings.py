@@ -27,6 +27,9 @@ class Settings:
     )
     host: str = field(default="127.0.0.1", metadata=_doc("Address the HTTP server binds."))
     port: int = field(default=8080, metadata=_doc("Port the HTTP server binds."))
+    reuse_port: bool = field(
+        default=False, metadata=_doc("Bind with SO_REUSEPORT, so several processes share the port.")
+    )
     admin_token: str = field(
         default="",
         metadata=_doc("When set, accepted as an admin bearer token (bootstrap). Empty: disabled."),
