@@ -102,7 +102,7 @@ async def background(settings: Settings, *, once: bool = False, sweeper_only: bo
     """The sweeper, and unless `sweeper_only`, the keyspace listener and the event relay."""
     from service.events import EventRelay
     from service.keys import Keys
-    from service.redis_client import connect
+    from service.redis_client import connect, connect_blocking
     from service.scripts import Scripts
     from service.store import QuestionStore
     from service.sweeper import KeyspaceListener, Sweeper
@@ -122,7 +122,11 @@ async def background(settings: Settings, *, once: bool = False, sweeper_only: bo
             jobs.append(KeyspaceListener(redis, store, keys).run())
         if not sweeper_only:
             relay = EventRelay(
-                redis, keys, maxlen=settings.events_maxlen, ttl_seconds=settings.retention_seconds
+                redis,
+                keys,
+                maxlen=settings.events_maxlen,
+                ttl_seconds=settings.retention_seconds,
+                blocking=connect_blocking(settings, redis),
             )
             jobs.append(relay.run())
         await asyncio.gather(*jobs)

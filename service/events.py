@@ -50,14 +50,24 @@ class Event:
 class EventRelay:
     """Outbox -> per-principal streams. Any number may run at once (one consumer group)."""
 
-    def __init__(self, redis: Redis, keys: Keys, *, maxlen: int, ttl_seconds: int) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        keys: Keys,
+        *,
+        maxlen: int,
+        ttl_seconds: int,
+        blocking: Redis | None = None,
+    ) -> None:
         self.redis = redis
+        self.blocking = blocking or redis
         self.keys = keys
         self.maxlen = maxlen
         self.ttl_seconds = ttl_seconds
         self.consumer = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.reclaim_idle_ms = RECLAIM_IDLE_MS
         self.relayed = 0
+        self.stopping = False
 
     async def ensure_groups(self) -> None:
         for b in range(BUCKETS):
@@ -67,9 +77,16 @@ class EventRelay:
                 if "BUSYGROUP" not in str(exc):
                     raise
 
+    def stop(self) -> None:
+        """Ask the loop to end after its current read (at most one BLOCK period).
+
+        Shutdown sets this and also cancels: redis-py 8.1 can lose a cancellation that lands
+        inside a blocking read, and this flag still ends the loop then."""
+        self.stopping = True
+
     async def run(self) -> None:
-        """Relay until cancelled; after any failure, log it and go on."""
-        while True:
+        """Relay until stopped or cancelled; after any failure, log it and go on."""
+        while not self.stopping:
             try:
                 await self.ensure_groups()
                 await self._relay_forever()
@@ -83,11 +100,13 @@ class EventRelay:
         streams: dict[Any, Any] = {self.keys.outbox(b): ">" for b in range(BUCKETS)}
         next_reclaim = 0.0
         loop = asyncio.get_running_loop()
-        while True:
+        while not self.stopping:
             if loop.time() >= next_reclaim:
                 await self.reclaim()
                 next_reclaim = loop.time() + self.reclaim_idle_ms / 3000
-            batches: Any = await self.redis.xreadgroup(GROUP, self.consumer, streams, count=500, block=1000)
+            batches: Any = await self.blocking.xreadgroup(
+                GROUP, self.consumer, streams, count=500, block=1000
+            )
             for outbox, entries in batches or []:
                 await self.relay(outbox, entries)
 
@@ -152,13 +171,15 @@ class _Subscriber:
 class EventHub:
     """One blocking XREAD per process over every connected principal's stream."""
 
-    def __init__(self, redis: Redis, keys: Keys, block_ms: int = 250) -> None:
+    def __init__(self, redis: Redis, keys: Keys, block_ms: int = 250, blocking: Redis | None = None) -> None:
         self.redis = redis
+        self.blocking = blocking or redis
         self.keys = keys
         self.block_ms = block_ms
         self._subscribers: dict[str, set[_Subscriber]] = defaultdict(set)
         self._has_subscribers = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
 
     @property
     def connections(self) -> int:
@@ -168,6 +189,7 @@ class EventHub:
         self._task = asyncio.create_task(self._read_loop(), name="event-hub")
 
     async def stop(self) -> None:
+        self._stopping = True  # see EventRelay.stop: the flag ends the loop if a cancel is lost
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -194,7 +216,7 @@ class EventHub:
                 del self._subscribers[subscriber.stream]
 
     async def _read_loop(self) -> None:
-        while True:
+        while not self._stopping:
             if not self._subscribers:
                 self._has_subscribers.clear()
                 await self._has_subscribers.wait()
@@ -203,7 +225,7 @@ class EventHub:
                 for stream, group in self._subscribers.items()
             }
             try:
-                found: Any = await self.redis.xread(positions, count=500, block=self.block_ms)
+                found: Any = await self.blocking.xread(positions, count=500, block=self.block_ms)
             except asyncio.CancelledError:
                 raise
             except RedisError as exc:

@@ -31,6 +31,23 @@ def connect(settings: Settings) -> Redis:
     )
 
 
+def connect_blocking(settings: Settings, shared: Redis) -> Redis:
+    """A client for XREAD/XREADGROUP with BLOCK. Its reads carry no socket timeout: the BLOCK
+    bounds them, and redis-py 8.1 on Python 3.11 can lose a task's cancellation inside a read
+    under a socket timeout, which hung shutdown. Keepalive still finds a dead peer."""
+    if settings.in_memory:
+        return shared
+    return Redis.from_url(
+        settings.redis_url,
+        decode_responses=True,
+        socket_timeout=None,
+        socket_connect_timeout=settings.redis_timeout_seconds,
+        socket_keepalive=True,
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), RETRIES),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+    )
+
+
 def memory_redis() -> Redis:
     import fakeredis  # only the in-memory mode needs it
 

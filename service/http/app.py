@@ -11,6 +11,7 @@ from aiohttp import web
 from service.auth import Directory
 from service.events import EventHub, EventRelay
 from service.http.appkeys import (
+    BLOCKING_REDIS,
     DIRECTORY,
     EVENT_HUB,
     LISTENER,
@@ -27,7 +28,7 @@ from service.http.problems import STORE_DOWN, problem_middleware
 from service.http.routes import ROUTES, auth_middleware
 from service.keys import Keys
 from service.questions import QuestionService
-from service.redis_client import connect
+from service.redis_client import connect, connect_blocking
 from service.scripts import Scripts
 from service.settings import Settings
 from service.store import QuestionStore
@@ -54,6 +55,7 @@ def create_app(settings: Settings) -> web.Application:
 async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     redis = connect(settings)
+    blocking = connect_blocking(settings, redis)
     scripts = Scripts(redis, shebang=not settings.in_memory)
     try:
         await scripts.load_all()
@@ -68,10 +70,17 @@ async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
     app[SWEEPER] = Sweeper(store, settings.sweep_interval_seconds)
     app[LISTENER] = KeyspaceListener(redis, store, keys)
     app[RELAY] = EventRelay(
-        redis, keys, maxlen=settings.events_maxlen, ttl_seconds=settings.retention_seconds
+        redis,
+        keys,
+        maxlen=settings.events_maxlen,
+        ttl_seconds=settings.retention_seconds,
+        blocking=blocking,
     )
+    app[BLOCKING_REDIS] = blocking
     yield
     await scripts.aclose()
+    if blocking is not redis:
+        await blocking.aclose()
     await redis.aclose()
 
 
@@ -93,7 +102,7 @@ async def ensure_groups_quietly(relay: EventRelay) -> None:
 
 
 async def events_ctx(app: web.Application) -> AsyncIterator[None]:
-    hub = EventHub(app[REDIS], Keys(app[SETTINGS].key_prefix))
+    hub = EventHub(app[REDIS], Keys(app[SETTINGS].key_prefix), blocking=app[BLOCKING_REDIS])
     await hub.start()
     app[EVENT_HUB] = hub
     yield
@@ -111,6 +120,7 @@ async def background_ctx(app: web.Application) -> AsyncIterator[None]:
         await ensure_groups_quietly(app[RELAY])
         tasks.append(asyncio.create_task(app[RELAY].run(), name="event-relay"))
     yield
+    app[RELAY].stop()
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)

@@ -16,6 +16,7 @@ from service.waiters import Waiters
 
 SETTINGS = web.AppKey("settings", Settings)
 REDIS = web.AppKey("redis", Redis)
+BLOCKING_REDIS = web.AppKey("blocking_redis", Redis)
 SCRIPTS = web.AppKey("scripts", Scripts)
 STORE = web.AppKey("store", QuestionStore)
 DIRECTORY = web.AppKey("directory", Directory)
