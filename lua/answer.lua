@@ -32,10 +32,11 @@
   Events (only when a transition happens):
     PUBLISH KEYS[5] <cjson fields>
     XADD KEYS[6] type=question.answered|question.expired id=<id> question=<cjson fields>
-    HINCRBY KEYS[7] answered|expired 1; HINCRBY KEYS[7] stale 1 for a stale tap
+    HINCRBY KEYS[7] answered|expired 1; HINCRBY KEYS[7] stale 1 once per stale call id (remembered in KEYS[1] field scalls)
 ]]
 --@include "now_ms"
 --@include "settled"
+--@include "note_stale"
 --@include "finish"
 --@include "expire_overdue"
 local now = now_ms()
@@ -53,11 +54,11 @@ if not string.find(q[4], '|' .. ARGV[3] .. '|', 1, true) then
 end
 if q[1] ~= 'pending' then
   local reply = settled(q[6], ARGV[4])
-  if reply[1] == 'stale' then redis.call('HINCRBY', KEYS[7], 'stale', 1) end
+  if reply[1] == 'stale' then note_stale(ARGV[4]) end
   return reply
 end
 if now >= tonumber(q[5]) then
-  redis.call('HINCRBY', KEYS[7], 'stale', 1)
+  note_stale(ARGV[4])
   return {'stale', expire_overdue(ARGV[1], tonumber(q[5]), 'inline', ARGV[6], ARGV[7])}
 end
 return {'applied', finish(ARGV[1], 'answered', now,

@@ -30,10 +30,11 @@
   Events (only when a transition happens):
     PUBLISH KEYS[5] <cjson fields>
     XADD KEYS[6] type=question.cancelled|question.expired id=<id> question=<cjson fields>
-    HINCRBY KEYS[7] cancelled|expired 1; HINCRBY KEYS[7] stale 1 for a stale cancel
+    HINCRBY KEYS[7] cancelled|expired 1; HINCRBY KEYS[7] stale 1 once per stale call id (remembered in KEYS[1] field scalls)
 ]]
 --@include "now_ms"
 --@include "settled"
+--@include "note_stale"
 --@include "finish"
 --@include "expire_overdue"
 local now = now_ms()
@@ -46,11 +47,11 @@ if q[4] ~= ARGV[2] and ARGV[3] ~= '1' then
 end
 if q[1] ~= 'pending' then
   local reply = settled(q[3], ARGV[5])
-  if reply[1] == 'stale' then redis.call('HINCRBY', KEYS[7], 'stale', 1) end
+  if reply[1] == 'stale' then note_stale(ARGV[5]) end
   return reply
 end
 if now >= tonumber(q[2]) then
-  redis.call('HINCRBY', KEYS[7], 'stale', 1)
+  note_stale(ARGV[5])
   return {'stale', expire_overdue(ARGV[1], tonumber(q[2]), 'inline', ARGV[6], ARGV[7])}
 end
 return {'applied', finish(ARGV[1], 'cancelled', now,

@@ -23,8 +23,8 @@ from service.keys import Keys
 from service.model import IDENTIFIER, Kind, Principal
 
 TOKEN_PREFIX = "qs_"
-_TOKEN = re.compile(r"^qs_([0-9a-f]{12})_[A-Za-z0-9_-]{43}$")
-_TOKEN_REF = re.compile(r"^(?:qs_)?([0-9a-f]{12})(?:_.*)?$")
+_TOKEN = re.compile(r"^qs_([0-9a-f]{12})_[A-Za-z0-9_-]{43}\Z")
+_TOKEN_REF = re.compile(r"^(?:qs_)?([0-9a-f]{12})(?:_.*)?\Z")
 BOOTSTRAP_ADMIN = Principal("admin", Kind.ADMIN, "bootstrap admin")
 
 

@@ -3,7 +3,7 @@ with a message naming the field. JSON and msgpack decode to the same objects fir
 
 from __future__ import annotations
 
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta
@@ -62,12 +62,12 @@ class Cancel(Strict):
 class WaitMany(Strict):
     ids: Annotated[list[str], Meta(min_length=1, max_length=100)]
     timeout: Annotated[float, Meta(ge=0)] | None = None
-    mode: Annotated[str, Meta(pattern="^(any|all)$")] = "any"
+    mode: Literal["any", "all"] = "any"
 
 
 class NewPrincipal(Strict):
     id: Identifier
-    kind: Annotated[str, Meta(pattern="^(agent|user|admin)$")]
+    kind: Literal["agent", "user", "admin"]
     display_name: Annotated[str, Meta(max_length=200)] = ""
 
 

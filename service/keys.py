@@ -13,7 +13,7 @@ import secrets
 from dataclasses import dataclass
 
 BUCKETS = 16
-QUESTION_ID = re.compile(r"^[0-9a-f]{25}$")
+QUESTION_ID = re.compile(r"^[0-9a-f]{25}\Z")
 
 
 def new_question_id(bucket: int | None = None) -> str:

@@ -11,8 +11,8 @@ from typing import Any
 
 from service.scripts import Fields
 
-IDENTIFIER = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
-OPTION_ID = re.compile(r"^[a-z0-9_-]{1,32}$")
+IDENTIFIER = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}\Z")
+OPTION_ID = re.compile(r"^[a-z0-9_-]{1,32}\Z")
 
 MAX_PROMPT = 2000
 MAX_LABEL = 80

@@ -249,7 +249,7 @@ def unique_option_ids(body: Ask) -> list[str]:
 def metadata_json(body: Ask) -> str:
     try:
         encoded = canonical_json(body.metadata or {})
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         raise Invalid("metadata must be JSON-compatible (no binary, no non-finite numbers)") from exc
     if len(encoded.encode()) > MAX_METADATA_BYTES:
         raise Invalid(f"metadata encodes to more than {MAX_METADATA_BYTES} bytes")

@@ -16,7 +16,7 @@ from service.model import MAX_EXPIRES_IN, Question, Target
 from service.scripts import Code, Reply, Scripts
 from service.settings import Settings
 
-_CURSOR = re.compile(r"^\d{13}:[0-9a-f]{25}$")
+_CURSOR = re.compile(r"^[0-9]{13}:[0-9a-f]{25}\Z")
 MAX_SCAN_ROUNDS = 8
 
 

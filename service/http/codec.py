@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import msgpack
@@ -26,30 +27,44 @@ def _reject_ext(code: int, data: bytes) -> Any:
     raise ValueError(f"msgpack extension type {code} is not accepted")
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _reject_lone_surrogates(value: Any) -> None:
+    """JSON may escape half of a UTF-16 pair (\\ud800); such text cannot be stored as UTF-8."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode()
+    except UnicodeEncodeError as exc:
+        raise Malformed("the body contains a lone UTF-16 surrogate escape") from exc
+
+
 def decode(raw: bytes, content_type: str) -> Any:
     if not raw:
         raise Malformed("the request needs a body")
     if content_type in _MSGPACK_TYPES:
         try:
             return msgpack.unpackb(raw, raw=False, strict_map_key=True, ext_hook=_reject_ext)
-        except (ValueError, msgpack.UnpackException, TypeError) as exc:
+        except (ValueError, msgpack.UnpackException, TypeError, RecursionError) as exc:
             raise Malformed(f"the body is not valid msgpack: {exc}") from exc
     if content_type == JSON or content_type.endswith("+json"):
         try:
-            return json.loads(raw, parse_constant=_reject_constant)
-        except (ValueError, UnicodeDecodeError) as exc:
+            value = json.loads(raw, parse_constant=_reject_constant)
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise Malformed(f"the body is not valid JSON: {exc}") from exc
+        if _SURROGATE_ESCAPE.search(raw):
+            _reject_lone_surrogates(value)
+        return value
     raise UnsupportedMediaType(f"cannot read {content_type or 'a body without Content-Type'}")
 
 
 async def read_body(request: web.Request, *, optional: bool = False) -> Any:
-    """The decoded body; None for an absent body when the route allows that."""
+    """The decoded body; for an absent body, {} when the route allows that, else a 400."""
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
         raise TooLarge(f"the body exceeds {request.app[SETTINGS].max_body_bytes} bytes") from exc
     if not raw and optional:
-        return None
+        return {}
     return decode(raw, request.content_type)
 
 

@@ -19,6 +19,7 @@ from service.questions import Outcome
 
 PRINCIPAL = web.RequestKey("principal", Principal)
 _PREFER_WAIT = re.compile(r"(?:^|[,;\s])wait\s*=\s*\"?(\d+(?:\.\d+)?)\"?", re.IGNORECASE)
+_DIGITS = re.compile(r"^[0-9]{1,9}\Z")
 _IDEMPOTENCY_KEY = re.compile(r'^"?([\x21\x23-\x7e]{1,255})"?$')
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -35,7 +36,19 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         if principal is None:
             raise Unauthenticated("the token is unknown, revoked or expired")
         request[PRINCIPAL] = principal
+        check_query(request)
     return await handler(request)
+
+
+def check_query(request: web.Request) -> None:
+    """Refuse query parameters a route does not take, rather than silently ignoring them."""
+    smuggled = IDENTITY_FIELDS & set(request.query)
+    if smuggled and request.path.endswith("/answer"):
+        raise IdentityInBody(f"remove {sorted(smuggled)}: the responder is the token's owner")
+    allowed = QUERY.get(request.match_info.route.handler, frozenset())
+    unknown = set(request.query) - allowed
+    if unknown:
+        raise Invalid(f"unknown query parameters {sorted(unknown)}; allowed: {sorted(allowed)}")
 
 
 def envelope_reply(question: Question) -> dict[str, Any]:
@@ -66,10 +79,6 @@ async def get_question(request: web.Request) -> web.Response:
 
 async def list_questions(request: web.Request) -> web.Response:
     q = request.query
-    allowed = {"state", "role", "room", "limit", "cursor"}
-    unknown = set(q) - allowed
-    if unknown:
-        raise Invalid(f"unknown query parameters {sorted(unknown)}; allowed: {sorted(allowed)}")
     state = choice(q.get("state"), [s.value for s in State], "state")
     role = choice(q.get("role"), ["asker", "responder"], "role")
     page = await request.app[QUESTIONS].list_page(
@@ -85,17 +94,13 @@ async def list_questions(request: web.Request) -> web.Response:
 
 
 async def answer(request: web.Request) -> web.Response:
-    smuggled = IDENTITY_FIELDS & set(request.query)
-    if smuggled:
-        raise IdentityInBody(f"remove {sorted(smuggled)}: the responder is the token's owner")
     body = bodies.convert(await read_body(request), bodies.Answer)
     outcome = await request.app[QUESTIONS].answer(request[PRINCIPAL], request.match_info["id"], body.option)
     return respond(request, outcome_reply(outcome))
 
 
 async def cancel(request: web.Request) -> web.Response:
-    raw = await read_body(request, optional=True)
-    body = bodies.Cancel() if raw is None else bodies.convert(raw, bodies.Cancel)
+    body = bodies.convert(await read_body(request, optional=True), bodies.Cancel)
     outcome = await request.app[QUESTIONS].cancel(request[PRINCIPAL], request.match_info["id"], body.reason)
     return respond(request, outcome_reply(outcome))
 
@@ -160,14 +165,14 @@ def choice(value: str | None, allowed: list[str], name: str) -> str | None:
 def bounded_int(value: str | None, name: str, low: int, high: int, *, default: int) -> int:
     if value is None:
         return default
-    if not value.isdigit() or not low <= int(value) <= high:
+    if not _DIGITS.match(value) or not low <= int(value) <= high:
         raise Invalid(f"{name} must be an integer from {low} to {high}")
     return int(value)
 
 
 # -- events -------------------------------------------------------------------------------------
 
-_STREAM_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
+_STREAM_ID = re.compile(r"^[0-9]{1,20}-[0-9]{1,20}\Z")
 
 
 async def events(request: web.Request) -> web.StreamResponse:
@@ -226,8 +231,7 @@ async def create_principal(request: web.Request) -> web.Response:
 
 async def issue_token(request: web.Request) -> web.Response:
     require_admin(request)
-    raw = await read_body(request, optional=True)
-    body = bodies.NewToken() if raw is None else bodies.convert(raw, bodies.NewToken)
+    body = bodies.convert(await read_body(request, optional=True), bodies.NewToken)
     issued = await request.app[DIRECTORY].issue_token(request.match_info["id"], body.expires_in)
     reply = {
         "principal": issued.principal.public(),
@@ -290,6 +294,12 @@ async def readyz(request: web.Request) -> web.Response:
         await scripts.load_all()
     return respond(request, {"status": "ready"})
 
+
+QUERY: dict[Any, frozenset[str]] = {
+    list_questions: frozenset({"state", "role", "room", "limit", "cursor"}),
+    wait: frozenset({"timeout"}),
+    events: frozenset({"last_event_id"}),
+}
 
 ROUTES = [
     web.get("/healthz", healthz),
