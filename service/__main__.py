@@ -137,6 +137,7 @@ async def background(settings: Settings, *, once: bool = False, sweeper_only: bo
 
 async def admin(settings: Settings, args: argparse.Namespace) -> Any:
     from service.auth import Directory
+    from service.errors import NotFound
     from service.keys import Keys
     from service.model import Kind, Principal
     from service.redis_client import connect
@@ -148,12 +149,19 @@ async def admin(settings: Settings, args: argparse.Namespace) -> Any:
             principal = Principal(args.id, Kind(args.kind), args.display_name)
             await directory.create_principal(principal)
             issued = await directory.issue_token(args.id)
-            return {"principal": principal.public(), "token": issued.token}
+            return {"principal": principal.public(), "token": issued.token, "token_id": issued.token_id}
         if args.action == "issue-token":
             issued = await directory.issue_token(args.id, args.expires_in)
-            return {"principal": issued.principal.public(), "token": issued.token}
+            return {
+                "principal": issued.principal.public(),
+                "token": issued.token,
+                "token_id": issued.token_id,
+                "expires_in": issued.expires_in,
+            }
         if args.action == "revoke-token":
-            return {"revoked": await directory.revoke_token(args.ref)}
+            if not await directory.revoke_token(args.ref):
+                raise NotFound(f"no token {args.ref!r}")
+            return {"revoked": args.ref}
         if args.action == "set-room":
             return {
                 "room": args.room,
@@ -161,8 +169,8 @@ async def admin(settings: Settings, args: argparse.Namespace) -> Any:
             }
         if args.action == "add-member":
             await directory.add_member(args.room, args.user)
-        elif args.action == "remove-member":
-            await directory.remove_member(args.room, args.user)
+        elif args.action == "remove-member" and not await directory.remove_member(args.room, args.user):
+            raise NotFound(f"{args.user!r} is not a member of room {args.room!r}")
         return {"room": args.room, "members": await directory.members(args.room)}
     finally:
         await redis.aclose()

@@ -25,6 +25,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
+from service.backoff import Backoff
 from service.keys import BUCKETS, Keys
 from service.model import envelope, to_json
 from service.scripts import pairs_to_fields
@@ -86,17 +87,17 @@ class EventRelay:
 
     async def run(self) -> None:
         """Relay until stopped or cancelled; after any failure, log it and go on."""
+        backoff = Backoff("event relay")
         while not self.stopping:
             try:
                 await self.ensure_groups()
-                await self._relay_forever()
+                await self._relay_forever(backoff)
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                log.exception("event relay failed; restarting in 1 s")
-                await asyncio.sleep(1.0)
+            except Exception as exc:
+                await backoff.failed(exc)
 
-    async def _relay_forever(self) -> None:
+    async def _relay_forever(self, backoff: Backoff) -> None:
         streams: dict[Any, Any] = {self.keys.outbox(b): ">" for b in range(BUCKETS)}
         next_reclaim = 0.0
         loop = asyncio.get_running_loop()
@@ -107,6 +108,7 @@ class EventRelay:
             batches: Any = await self.blocking.xreadgroup(
                 GROUP, self.consumer, streams, count=500, block=1000
             )
+            backoff.succeeded()
             for outbox, entries in batches or []:
                 await self.relay(outbox, entries)
 
@@ -216,6 +218,7 @@ class EventHub:
                 del self._subscribers[subscriber.stream]
 
     async def _read_loop(self) -> None:
+        backoff = Backoff("event hub")
         while not self._stopping:
             if not self._subscribers:
                 self._has_subscribers.clear()
@@ -229,9 +232,9 @@ class EventHub:
             except asyncio.CancelledError:
                 raise
             except RedisError as exc:
-                log.warning("event hub read failed (%s); retrying", exc)
-                await asyncio.sleep(0.5)
+                await backoff.failed(exc)
                 continue
+            backoff.succeeded()
             for stream, entries in found or []:
                 self._dispatch(str(stream), entries)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -21,14 +21,19 @@ RETRIES = 2
 def connect(settings: Settings) -> Redis:
     if settings.in_memory:
         return memory_redis()
-    return Redis.from_url(
+    # A blocking pool: a burst beyond the cap waits for a free connection (up to the timeout)
+    # instead of failing with MaxConnectionsError, which would read as "Redis is down".
+    pool = BlockingConnectionPool.from_url(
         settings.redis_url,
+        max_connections=settings.redis_max_connections,
+        timeout=settings.redis_timeout_seconds,
         decode_responses=True,
         socket_timeout=settings.redis_timeout_seconds,
         socket_connect_timeout=settings.redis_timeout_seconds,
         retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), RETRIES),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
     )
+    return Redis(connection_pool=pool)
 
 
 def connect_blocking(settings: Settings, shared: Redis) -> Redis:

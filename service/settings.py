@@ -63,12 +63,16 @@ class Settings:
         default=64 * 1024, metadata=_doc("Largest request body accepted (413 above it).")
     )
     redis_timeout_seconds: float = field(default=5.0, metadata=_doc("Socket timeout of each Redis call."))
+    redis_max_connections: int = field(
+        default=64,
+        metadata=_doc("Redis connections per process; a burst beyond waits for a free one."),
+    )
     auth_cache_seconds: float = field(
         default=2.0,
         metadata=_doc("How long a process caches a token lookup (revocation delay). 0: no cache."),
     )
     outbox_maxlen: int = field(
-        default=100_000, metadata=_doc("Approximate length cap of each bucket's outbox stream.")
+        default=20_000, metadata=_doc("Approximate length cap of each bucket's outbox stream.")
     )
     run_event_relay: bool = field(
         default=True, metadata=_doc("Relay outbox events to per-principal streams inside `serve`.")
@@ -114,6 +118,8 @@ class Settings:
             raise SettingsError("QS_MAX_BODY_BYTES must be at least 1024")
         if any(c in self.key_prefix for c in "{}: ") or not self.key_prefix:
             raise SettingsError("QS_KEY_PREFIX must be non-empty and free of braces, colons, spaces")
+        if self.redis_max_connections < 4:
+            raise SettingsError("QS_REDIS_MAX_CONNECTIONS must be at least 4")
         if self.redis_timeout_seconds <= 0 or self.auth_cache_seconds < 0:
             raise SettingsError("timeouts must be positive and the auth cache non-negative")
         if self.events_maxlen < 100 or self.sse_heartbeat_seconds <= 0:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
+from service.backoff import Backoff
 from service.keys import Keys
 from service.scripts import Code
 from service.store import QuestionStore
@@ -56,13 +57,17 @@ class Sweeper:
     async def run(self) -> None:
         """Sweep on a drift-free schedule until cancelled; log and go on after any other error."""
         next_at = time.monotonic()
+        backoff = Backoff("sweeper", base=self.interval)
         while True:
             try:
                 await self.sweep_once()
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                log.exception("sweep failed; retrying next interval")
+            except Exception as exc:
+                await backoff.failed(exc)
+                next_at = time.monotonic()
+                continue
+            backoff.succeeded()
             next_at += self.interval
             now = time.monotonic()
             if next_at < now:
@@ -98,16 +103,16 @@ class KeyspaceListener:
 
     async def run(self) -> None:
         """Listen until cancelled; after any failure, log it and start over."""
+        backoff = Backoff("keyspace listener")
         while True:
             try:
-                await self._listen()
+                await self._listen(backoff)
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                log.exception("keyspace listener failed; restarting in 1 s")
-                await asyncio.sleep(1.0)
+            except Exception as exc:
+                await backoff.failed(exc)
 
-    async def _listen(self) -> None:
+    async def _listen(self, backoff: Backoff) -> None:
         self.enabled = await self.enable_notifications()
         db = self.redis.connection_pool.connection_kwargs.get("db", 0)
         pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
@@ -117,9 +122,9 @@ class KeyspaceListener:
                 try:
                     message = await pubsub.get_message(timeout=1.0)
                 except RedisError as exc:
-                    log.warning("keyspace listener lost its connection (%s); reconnecting", exc)
-                    await asyncio.sleep(0.2)
+                    await backoff.failed(exc)
                     continue
+                backoff.succeeded()
                 if message is not None:
                     await self._on_expired(message["data"])
         finally:

@@ -21,6 +21,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from service.backoff import Backoff
 from service.model import Question
 from service.scripts import Fields, pairs_to_fields
 from service.store import QuestionStore
@@ -160,14 +161,15 @@ class Waiters:
         task.add_done_callback(self._background.discard)
 
     async def _read_loop(self) -> None:
+        backoff = Backoff("waiters pub/sub", base=RECONNECT_DELAY, cap=2.0)
         while True:
             await self._connected.wait()
             try:
                 message = await self._pubsub.get_message(timeout=1.0)
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-                log.warning("pub/sub connection lost (%s); reconnecting", exc)
-                await asyncio.sleep(RECONNECT_DELAY)
+                await backoff.failed(exc)
                 continue
+            backoff.succeeded()
             if message is not None:
                 self._dispatch(message)
 

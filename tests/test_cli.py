@@ -1,0 +1,60 @@
+"""The command line: admin bootstrap straight against Redis, and a one-shot sweep."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from service.settings import Settings
+
+
+def cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "QS_REDIS_URL": settings.redis_url, "QS_KEY_PREFIX": settings.key_prefix}
+    return subprocess.run(
+        [sys.executable, "-m", "service", *args], env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_admin_commands_bootstrap_principals_tokens_and_rooms(settings: Settings) -> None:
+    created = cli(settings, "admin", "create-principal", "alice", "--kind", "user")
+    assert created.returncode == 0, created.stderr
+    body = json.loads(created.stdout)
+    assert body["principal"] == {"id": "alice", "kind": "user", "display_name": ""}
+    assert body["token"].startswith("qs_" + body["token_id"])
+
+    again = cli(settings, "admin", "create-principal", "alice", "--kind", "user")
+    assert again.returncode == 1
+    assert "already exists" in again.stderr
+
+    issued = json.loads(cli(settings, "admin", "issue-token", "alice", "--expires-in", "60").stdout)
+    assert issued["expires_in"] == 60
+    revoked = cli(settings, "admin", "revoke-token", "qs_" + issued["token_id"])
+    assert revoked.returncode == 0, revoked.stderr
+    assert cli(settings, "admin", "revoke-token", issued["token_id"]).returncode == 1
+
+    room = json.loads(cli(settings, "admin", "set-room", "ops", "alice").stdout)
+    assert room == {"room": "ops", "members": ["alice"]}
+    assert cli(settings, "admin", "remove-member", "ops", "alice").returncode == 0
+    assert cli(settings, "admin", "remove-member", "ops", "alice").returncode == 1
+    assert json.loads(cli(settings, "admin", "add-member", "ops", "alice").stdout)["members"] == ["alice"]
+    assert json.loads(cli(settings, "admin", "show-room", "ops").stdout)["members"] == ["alice"]
+    unknown_user = cli(settings, "admin", "set-room", "ops", "nobody")
+    assert unknown_user.returncode == 1
+    assert "not a user principal" in unknown_user.stderr
+
+
+def test_sweep_once_reports_what_it_did(settings: Settings) -> None:
+    swept = cli(settings, "sweep", "--once")
+    assert swept.returncode == 0, swept.stderr
+    assert json.loads(swept.stdout) == {"expired": 0, "purged": 0}
+
+
+def test_a_bad_setting_exits_2_and_names_the_variable(settings: Settings) -> None:
+    bad = cli(settings, "sweep", "--once", "--sweep-interval-seconds", "5")
+    assert bad.returncode == 2
+    assert "QS_SWEEP_INTERVAL_SECONDS" in bad.stderr
+    worse = cli(settings, "sweep", "--once", "--port", "many")
+    assert worse.returncode == 2
+    assert "QS_PORT" in worse.stderr
