@@ -13,6 +13,7 @@
     KEYS[5] channel          (PUBSUB) the question's channel
     KEYS[6] outbox           (STREAM)
     KEYS[7] stats            (HASH)
+    KEYS[8] stale calls      (SET)    call ids already counted as stale taps; expires after 10 min
     ARGV[1] id               question id
     ARGV[2] by               principal id of the canceller, from authentication
     ARGV[3] any asker        '1' when the canceller may cancel any question (an admin)
@@ -30,7 +31,7 @@
   Events (only when a transition happens):
     PUBLISH KEYS[5] <cjson fields>
     XADD KEYS[6] type=question.cancelled|question.expired id=<id> question=<cjson fields>
-    HINCRBY KEYS[7] cancelled|expired 1; HINCRBY KEYS[7] stale 1 once per stale call id (remembered in KEYS[1] field scalls)
+    HINCRBY KEYS[7] cancelled|expired 1; HINCRBY KEYS[7] stale 1 once per stale call id (SADD KEYS[8] remembers it)
 ]]
 --@include "now_ms"
 --@include "settled"

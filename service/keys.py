@@ -46,6 +46,7 @@ class QuestionKeys:
     channel: str
     outbox: str
     stats: str
+    stale_calls: str
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class Keys:
             channel=f"{b}:ch:{question_id}",
             outbox=f"{b}:outbox",
             stats=f"{b}:stats",
+            stale_calls=f"{b}:stale:{question_id}",
         )
 
     def deadlines(self, b: int) -> str:

@@ -85,6 +85,11 @@ class QuestionStore:
             "stats": k.stats,
         }
 
+    def _tap_keys(self, question_id: str) -> dict[str, str]:
+        """Answer and cancel also remember stale call ids, to count a stale tap once."""
+        stale_calls = self.keys.for_question(question_id).stale_calls
+        return {**self._transition_keys(question_id), "stale calls": stale_calls}
+
     def channel(self, question_id: str) -> str:
         return self.keys.for_question(question_id).channel
 
@@ -164,7 +169,7 @@ class QuestionStore:
             "retention": self.retention_ms,
             "outbox maxlen": self.outbox_maxlen,
         }
-        return await self.scripts.call("answer", self._transition_keys(question_id), args)
+        return await self.scripts.call("answer", self._tap_keys(question_id), args)
 
     async def cancel(self, question_id: str, by: str, reason: str, *, any_asker: bool) -> Reply:
         args: dict[str, str | int] = {
@@ -176,7 +181,7 @@ class QuestionStore:
             "retention": self.retention_ms,
             "outbox maxlen": self.outbox_maxlen,
         }
-        return await self.scripts.call("cancel", self._transition_keys(question_id), args)
+        return await self.scripts.call("cancel", self._tap_keys(question_id), args)
 
     # -- sweeping -------------------------------------------------------------------------------
 

@@ -96,8 +96,11 @@ def test_arguments_must_be_exactly_the_header_names() -> None:
 def test_transition_wrappers_pass_every_header_key_in_one_slot() -> None:
     store = QuestionStore.__new__(QuestionStore)
     store.keys = Keys("qs")
-    named = store._transition_keys("3" + "a" * 24)
-    for name in ("answer", "cancel", "expire"):
+    for name, named in (
+        ("answer", store._tap_keys("3" + "a" * 24)),
+        ("cancel", store._tap_keys("3" + "a" * 24)),
+        ("expire", store._transition_keys("3" + "a" * 24)),
+    ):
         script = LuaScript.load(name)
         assert set(named) == set(script.key_names), name
         keys = script.keys(named)
