@@ -36,10 +36,8 @@
     HINCRBY KEYS[7] answered|expired 1; HINCRBY KEYS[7] stale 1 once per stale call id (SADD KEYS[8] remembers it)
 ]]
 --@include "now_ms"
---@include "settled"
---@include "note_stale"
 --@include "finish"
---@include "expire_overdue"
+--@include "refuse_late_tap"
 local now = now_ms()
 local q = redis.call('HMGET', KEYS[1], 'state', 'to_kind', 'to_id', 'opt_ids', 'expires_ms', 'tcall')
 if not q[1] then
@@ -53,14 +51,9 @@ end
 if not string.find(q[4], '|' .. ARGV[3] .. '|', 1, true) then
   return {'unknown_option'}
 end
-if q[1] ~= 'pending' then
-  local reply = settled(q[6], ARGV[4])
-  if reply[1] == 'stale' then note_stale(ARGV[4]) end
-  return reply
-end
-if now >= tonumber(q[5]) then
-  note_stale(ARGV[4])
-  return {'stale', expire_overdue(ARGV[1], tonumber(q[5]), 'inline', ARGV[6], ARGV[7])}
+local refusal = refuse_late_tap(ARGV[1], q[1], tonumber(q[5]), q[6], ARGV[4], now, ARGV[6], ARGV[7])
+if refusal then
+  return refusal
 end
 return {'applied', finish(ARGV[1], 'answered', now,
   {'ans_option', ARGV[3], 'ans_by', ARGV[2], 'ans_ms', now}, ARGV[4], ARGV[6], ARGV[7])}

@@ -34,10 +34,8 @@
     HINCRBY KEYS[7] cancelled|expired 1; HINCRBY KEYS[7] stale 1 once per stale call id (SADD KEYS[8] remembers it)
 ]]
 --@include "now_ms"
---@include "settled"
---@include "note_stale"
 --@include "finish"
---@include "expire_overdue"
+--@include "refuse_late_tap"
 local now = now_ms()
 local q = redis.call('HMGET', KEYS[1], 'state', 'expires_ms', 'tcall', 'asker')
 if not q[1] then
@@ -46,14 +44,9 @@ end
 if q[4] ~= ARGV[2] and ARGV[3] ~= '1' then
   return {'not_asker', redis.call('HGETALL', KEYS[1])}
 end
-if q[1] ~= 'pending' then
-  local reply = settled(q[3], ARGV[5])
-  if reply[1] == 'stale' then note_stale(ARGV[5]) end
-  return reply
-end
-if now >= tonumber(q[2]) then
-  note_stale(ARGV[5])
-  return {'stale', expire_overdue(ARGV[1], tonumber(q[2]), 'inline', ARGV[6], ARGV[7])}
+local refusal = refuse_late_tap(ARGV[1], q[1], tonumber(q[2]), q[3], ARGV[5], now, ARGV[6], ARGV[7])
+if refusal then
+  return refusal
 end
 return {'applied', finish(ARGV[1], 'cancelled', now,
   {'cancel_by', ARGV[2], 'cancel_reason', ARGV[4]}, ARGV[5], ARGV[6], ARGV[7])}
