@@ -33,7 +33,7 @@ def connect(settings: Settings) -> Redis:
         retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), RETRIES),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
     )
-    return Redis(connection_pool=pool)
+    return Redis.from_pool(pool)  # the client owns the pool: aclose() disconnects it
 
 
 def connect_blocking(settings: Settings, shared: Redis) -> Redis:

@@ -1,0 +1,313 @@
+"""Re-run safety: a state-changing script run twice with the same call id (as a redis-py retry
+does after a timeout) changes nothing the second time and reports the same outcome and envelope.
+And NOSCRIPT: after SCRIPT FLUSH every path loads its scripts again by itself."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+from redis.asyncio import Redis
+
+from service.http.appkeys import STORE, SWEEPER
+from service.model import envelope
+from service.scripts import Code, Reply, Scripts
+from service.settings import Settings
+from service.store import QuestionStore
+from tests.api import Api
+from tests.conftest import ADMIN_TOKEN, start_client
+from tests.conftest import test_settings as settings_for
+from tests.helpers_reliability import (
+    ChannelTap,
+    Recorder,
+    ms,
+    new_question,
+    open_store,
+    outbox_events,
+    sleep_until_redis_ms,
+    snapshot,
+    stats_totals,
+)
+from tests.redis_server import RedisServer
+
+
+@pytest.fixture
+async def store(settings: Settings) -> AsyncIterator[tuple[Redis, Scripts, QuestionStore]]:
+    redis, scripts, store = open_store(settings)
+    yield redis, scripts, store
+    await redis.aclose()
+
+
+async def created(store: QuestionStore, **kwargs: object) -> str:
+    reply = await store.create(new_question(**kwargs), None)  # type: ignore[arg-type]
+    assert reply.code is Code.CREATED
+    assert reply.fields is not None
+    return reply.fields["id"]
+
+
+async def overdue(redis: Redis, store: QuestionStore) -> str:
+    """A question whose deadline has passed and that nothing has expired yet."""
+    question_id = await created(store, expires_in_ms=30)
+    fields = await redis.hgetall(store.keys.for_question(question_id).question)
+    await sleep_until_redis_ms(redis, int(fields["expires_ms"]) + 1)
+    assert await redis.hget(store.keys.for_question(question_id).question, "state") == "pending"
+    return question_id
+
+
+async def run_twice(
+    redis: Redis, store: QuestionStore, recorder: Recorder, question_id: str, first: Reply
+) -> tuple[Reply, dict[str, object], dict[str, object], int]:
+    """Re-run the recorded call; return its reply, the keyspace before and after it, and how many
+    messages the question's channel carried during the re-run."""
+    prefix = store.keys.prefix
+    async with ChannelTap(redis, [store.channel(question_id)]) as tap:
+        before = await snapshot(redis, prefix)
+        second = await recorder.rerun_last()
+        after = await snapshot(redis, prefix)
+        published = len(await tap.drain())
+    assert second.fields == first.fields
+    return second, before, after, published
+
+
+async def test_create_rerun_with_the_same_call_id_reports_created_and_writes_nothing(
+    store: tuple[Redis, Scripts, QuestionStore], redis: Redis
+) -> None:
+    _, scripts, qs = store
+    recorder = Recorder(scripts)
+    first = await qs.create(new_question(), "retry-me")
+    assert first.code is Code.CREATED
+    assert first.fields is not None
+    question_id = first.fields["id"]
+
+    second, before, after, published = await run_twice(redis, qs, recorder, question_id, first)
+
+    assert second.code is Code.CREATED
+    assert after == before
+    assert published == 0
+    assert (await stats_totals(redis, qs.keys.prefix))["created"] == 1
+    assert [e["type"] for e in await outbox_events(redis, qs.keys.prefix)] == ["question.created"]
+
+
+async def test_answer_rerun_with_the_same_call_id_reports_applied_and_changes_nothing(
+    store: tuple[Redis, Scripts, QuestionStore], redis: Redis
+) -> None:
+    _, scripts, qs = store
+    question_id = await created(qs)
+    recorder = Recorder(scripts)
+    async with ChannelTap(redis, [qs.channel(question_id)]) as tap:
+        first = await qs.answer(question_id, "alice", "yes", [])
+        assert len(await tap.drain()) == 1
+    assert first.code is Code.APPLIED
+
+    second, before, after, published = await run_twice(redis, qs, recorder, question_id, first)
+
+    assert second.code is Code.APPLIED
+    assert after == before
+    assert published == 0
+    assert first.fields is not None
+    assert envelope(first.fields)["answer"]["option"] == "yes"
+    stats = await stats_totals(redis, qs.keys.prefix)
+    assert stats["answered"] == 1
+    assert stats["stale"] == 0
+    events = [e["type"] for e in await outbox_events(redis, qs.keys.prefix)]
+    assert events == ["question.created", "question.answered"]
+
+
+async def test_cancel_rerun_with_the_same_call_id_reports_applied_and_changes_nothing(
+    store: tuple[Redis, Scripts, QuestionStore], redis: Redis
+) -> None:
+    _, scripts, qs = store
+    question_id = await created(qs)
+    recorder = Recorder(scripts)
+    first = await qs.cancel(question_id, "agent", "changed my mind", any_asker=False)
+    assert first.code is Code.APPLIED
+
+    second, before, after, published = await run_twice(redis, qs, recorder, question_id, first)
+
+    assert second.code is Code.APPLIED
+    assert after == before
+    assert published == 0
+    assert first.fields is not None
+    assert envelope(first.fields)["cancellation"] == {"by": "agent", "reason": "changed my mind"}
+    stats = await stats_totals(redis, qs.keys.prefix)
+    assert stats["cancelled"] == 1
+    assert stats["stale"] == 0
+    events = [e["type"] for e in await outbox_events(redis, qs.keys.prefix)]
+    assert events == ["question.created", "question.cancelled"]
+
+
+async def test_expire_rerun_with_the_same_call_id_reports_applied_and_changes_nothing(
+    store: tuple[Redis, Scripts, QuestionStore], redis: Redis
+) -> None:
+    _, scripts, qs = store
+    question_id = await overdue(redis, qs)
+    recorder = Recorder(scripts)
+    read = await qs.read(question_id)  # a fetch runs expire.lua, which expires it on the spot
+    assert read is not None
+    assert read.state == "expired"
+    name, _, args = recorder.calls[-1]
+    assert name == "expire"
+    assert args["want fields"] == "1"
+    first = recorder.replies[-1]
+    assert first.code is Code.APPLIED
+
+    second, before, after, published = await run_twice(redis, qs, recorder, question_id, first)
+
+    assert second.code is Code.APPLIED
+    assert after == before
+    assert published == 0
+    stats = await stats_totals(redis, qs.keys.prefix)
+    assert stats["expired"] == 1
+    events = [e["type"] for e in await outbox_events(redis, qs.keys.prefix)]
+    assert events == ["question.created", "question.expired"]
+
+
+async def test_sweeper_style_expire_rerun_reports_applied_without_fields(
+    store: tuple[Redis, Scripts, QuestionStore], redis: Redis
+) -> None:
+    _, scripts, qs = store
+    question_id = await overdue(redis, qs)
+    first = await scripts.call(
+        "expire",
+        qs._transition_keys(question_id),
+        {
+            "id": question_id,
+            "call id": "c-sweep",
+            "retention": 1000,
+            "outbox maxlen": 1000,
+            "want fields": "0",
+        },
+    )
+    before = await snapshot(redis, qs.keys.prefix)
+    second = await scripts.call(
+        "expire",
+        qs._transition_keys(question_id),
+        {
+            "id": question_id,
+            "call id": "c-sweep",
+            "retention": 1000,
+            "outbox maxlen": 1000,
+            "want fields": "0",
+        },
+    )
+    assert first == second == Reply(Code.APPLIED)
+    assert await snapshot(redis, qs.keys.prefix) == before
+    assert (await stats_totals(redis, qs.keys.prefix))["expired"] == 1
+
+
+async def test_answer_whose_first_run_expired_the_question_inline_reruns_as_stale_not_applied(
+    store: tuple[Redis, Scripts, QuestionStore], redis: Redis
+) -> None:
+    _, scripts, qs = store
+    question_id = await overdue(redis, qs)
+    recorder = Recorder(scripts)
+    async with ChannelTap(redis, [qs.channel(question_id)]) as tap:
+        first = await qs.answer(question_id, "alice", "yes", [])
+        assert len(await tap.drain()) == 1  # the inline expiry published the terminal envelope
+    assert first.code is Code.STALE
+    assert first.fields is not None
+    story = envelope(first.fields)
+    assert story["state"] == "expired"
+    assert story["answer"] is None
+    assert story["resolved_at"] == story["expires_at"]
+
+    second, _, _, published = await run_twice(redis, qs, recorder, question_id, first)
+
+    assert second.code is Code.STALE
+    assert published == 0
+    stats = await stats_totals(redis, qs.keys.prefix)
+    assert (stats["answered"], stats["expired"]) == (0, 1)
+    events = [e["type"] for e in await outbox_events(redis, qs.keys.prefix)]
+    assert events == ["question.created", "question.expired"]
+
+
+@pytest.mark.parametrize("late", ["answer after answer", "cancel after answer", "answer after deadline"])
+async def test_rerun_of_a_stale_call_changes_nothing_not_even_the_stale_counter(
+    store: tuple[Redis, Scripts, QuestionStore], redis: Redis, late: str
+) -> None:
+    _, scripts, qs = store
+    if late == "answer after deadline":
+        question_id = await overdue(redis, qs)
+    else:
+        question_id = await created(qs)
+        assert (await qs.answer(question_id, "alice", "no", [])).code is Code.APPLIED
+    recorder = Recorder(scripts)
+    if late.startswith("cancel"):
+        first = await qs.cancel(question_id, "agent", "", any_asker=False)
+    else:
+        first = await qs.answer(question_id, "alice", "yes", [])
+    assert first.code is Code.STALE
+
+    second, before, after, published = await run_twice(redis, qs, recorder, question_id, first)
+
+    assert second.code is Code.STALE
+    assert published == 0
+    assert after == before, "a retried stale call must not count a second stale tap"
+
+
+# -- NOSCRIPT -------------------------------------------------------------------------------------
+
+
+async def test_every_route_works_after_script_flush(api: Api, redis: Redis) -> None:
+    agent = await api.principal("agent", "agent")
+    alice = await api.principal("alice", "user")
+    await api.room("ops", ["alice"])
+
+    await redis.script_flush()
+    answered = await api.ask(agent, {"user": "alice"})
+    await redis.script_flush()
+    cancelled = await api.ask(agent, {"room": "ops"})
+
+    await redis.script_flush()
+    fetched = await api.get(alice, answered["id"])
+    assert fetched.status == 200
+    assert fetched.body == answered
+
+    await redis.script_flush()
+    listed = await api.list(alice)
+    assert listed.status == 200
+    assert [q["id"] for q in listed.body["items"]] == [cancelled["id"], answered["id"]]
+
+    await redis.script_flush()
+    reply = await api.answer(alice, answered["id"], "yes")
+    assert reply.status == 200
+    assert reply.body["applied"] is True
+
+    await redis.script_flush()
+    waited = await api.wait(agent, answered["id"], 1)
+    assert waited.status == 200
+    assert waited.body == reply.body["question"]
+
+    await redis.script_flush()
+    reply = await api.cancel(agent, cancelled["id"])
+    assert reply.status == 200
+    assert reply.body["applied"] is True
+    assert reply.body["question"]["state"] == "cancelled"
+
+    await redis.script_flush()
+    ready = await api.call("GET", "/readyz")
+    assert ready.status == 200
+    assert await redis.script_exists(*api.client.server.app[STORE].scripts.shas()) == [True] * 5
+
+
+async def test_sweeper_expires_after_script_flush(redis_server: RedisServer, redis: Redis) -> None:
+    settings = settings_for(redis_server.url, run_sweeper=False, keyspace_notifications=False)
+    client = await start_client(settings)
+    try:
+        api = Api(client, ADMIN_TOKEN)
+        agent = await api.principal("agent", "agent")
+        await api.principal("alice", "user")
+        question = await api.ask(agent, {"user": "alice"}, expires_in=1)
+        app = client.server.app
+        await sleep_until_redis_ms(redis, ms(question["expires_at"]))
+        question_key = app[STORE].keys.for_question(question["id"]).question
+        assert await redis.hget(question_key, "state") == "pending"
+
+        await redis.script_flush()
+        done = await app[SWEEPER].sweep_once()
+
+        assert done.expired == 1
+        assert await redis.hget(question_key, "state") == "expired"
+        assert (await stats_totals(redis, settings.key_prefix))["expired"] == 1
+    finally:
+        await client.close()

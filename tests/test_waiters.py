@@ -1,0 +1,308 @@
+"""Long-poll waiters: woken once with the final envelope, multiplexed on one subscription per
+question per process, surviving a pub/sub connection kill, and unsubscribing when the last leaves."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient
+from redis.asyncio import Redis
+
+from service.http.appkeys import STORE, WAITERS
+from tests.api import Api
+from tests.conftest import ADMIN_TOKEN, start_client
+from tests.conftest import test_settings as settings_for
+from tests.helpers_reliability import ChannelTap, Http, eventually, unbounded_session
+from tests.redis_server import RedisServer
+
+
+async def numsub(redis: Redis, channel: str) -> int:
+    return int((await redis.pubsub_numsub(channel))[0][1])
+
+
+async def until_waiting(
+    client: TestClient[object, object], count: int, tasks: Sequence[asyncio.Task[Any]] = ()
+) -> None:
+    """Until `count` requests wait; a wait request that already returned fails the test at once."""
+    waiters = client.server.app[WAITERS]
+
+    async def ready() -> bool:
+        returned = [t.result() for t in tasks if t.done()]
+        statuses = Counter(status for status, _ in returned)
+        assert not returned, f"{len(returned)} waits returned early, statuses {statuses}: {returned[0]}"
+        return waiters.waiting == count
+
+    await eventually(ready, within=30, what=f"{count} waiters registered")
+
+
+async def until_unsubscribed(client: TestClient[object, object], redis: Redis, channel: str) -> None:
+    async def gone() -> bool:
+        return client.server.app[WAITERS].channels == 0 and await numsub(redis, channel) == 0
+
+    await eventually(gone, within=5, what=f"{channel} unsubscribed")
+
+
+@pytest.fixture
+async def long_wait_client(redis_server: RedisServer) -> AsyncIterator[TestClient[object, object]]:
+    client = await start_client(settings_for(redis_server.url, wait_max_seconds=60))
+    yield client
+    await client.close()
+
+
+async def test_waiter_is_woken_exactly_once_with_the_final_envelope(
+    api: Api, client: TestClient[object, object], redis: Redis
+) -> None:
+    agent = await api.principal("agent", "agent")
+    alice = await api.principal("alice", "user")
+    question = await api.ask(agent, {"user": "alice"})
+    channel = client.server.app[STORE].channel(question["id"])
+
+    async with ChannelTap(redis, [channel]) as tap:
+        waiting = asyncio.create_task(api.wait(agent, question["id"], 10))
+        await until_waiting(client, 1)
+        assert await numsub(redis, channel) == 2  # the service's one subscription and the tap
+
+        answered = await api.answer(alice, question["id"], "yes")
+        # Stale taps, a stale cancel and reads afterwards publish nothing more.
+        await api.answer(alice, question["id"], "no")
+        await api.cancel(agent, question["id"])
+        await api.get(agent, question["id"])
+        woken = await waiting
+        published = await tap.drain()
+
+    assert answered.body["applied"] is True
+    assert woken.status == 200
+    assert woken.body == answered.body["question"]
+    assert woken.body == (await api.get(agent, question["id"])).body
+    assert len(published) == 1
+    # A wait that starts after the end returns at once with the same envelope.
+    assert (await api.wait(agent, question["id"], 10)).body == woken.body
+    await until_unsubscribed(client, redis, channel)
+
+
+async def test_waiters_of_every_terminal_state_get_that_state(
+    api: Api, client: TestClient[object, object], redis: Redis
+) -> None:
+    agent = await api.principal("agent", "agent")
+    alice = await api.principal("alice", "user")
+    answered, cancelled, expired = [
+        await api.ask(agent, {"user": "alice"}, expires_in=e) for e in (60, 60, 1)
+    ]
+    waits = [asyncio.create_task(api.wait(agent, q["id"], 10)) for q in (answered, cancelled, expired)]
+    await until_waiting(client, 3)
+    await api.answer(alice, answered["id"], "no")
+    await api.cancel(agent, cancelled["id"], "not needed")
+    replies = await asyncio.gather(*waits)
+
+    assert [r.body["state"] for r in replies] == ["answered", "cancelled", "expired"]
+    for question, reply in zip((answered, cancelled, expired), replies, strict=True):
+        assert reply.body == (await api.get(agent, question["id"])).body
+
+
+async def test_1000_concurrent_waiters_share_one_subscription_and_are_all_woken_by_one_answer(
+    long_wait_client: TestClient[object, object], redis: Redis
+) -> None:
+    client = long_wait_client
+    api = Api(client, ADMIN_TOKEN)
+    agent = await api.principal("agent", "agent")
+    alice = await api.principal("alice", "user")
+    await api.room("ops", ["alice"])
+    question = await api.ask(agent, {"room": "ops"})
+    channel = client.server.app[STORE].channel(question["id"])
+    waiters = client.server.app[WAITERS]
+
+    async with unbounded_session() as session:
+        http = Http(session, client)
+        tokens = [agent if i % 2 else alice for i in range(1000)]
+        waits = [asyncio.create_task(http.wait(token, question["id"], 20)) for token in tokens]
+        try:
+            await until_waiting(client, 1000, waits)
+            assert waiters.channels == 1
+            assert await numsub(redis, channel) == 1
+
+            answered = await api.answer(alice, question["id"], "yes")
+            replies = await asyncio.gather(*waits)
+        finally:
+            for task in waits:
+                task.cancel()
+
+    assert answered.body["applied"] is True
+    assert {status for status, _ in replies} == {200}
+    assert all(body == answered.body["question"] for _, body in replies)
+    await until_unsubscribed(client, redis, channel)
+
+
+async def test_waiters_survive_a_pubsub_connection_kill_while_answers_land_during_the_outage(
+    long_wait_client: TestClient[object, object], redis: Redis
+) -> None:
+    client = long_wait_client
+    api = Api(client, ADMIN_TOKEN)
+    app = client.server.app
+    store = app[STORE]
+    agent = await api.principal("agent", "agent")
+    alice = await api.principal("alice", "user")
+    questions = [await api.ask(agent, {"user": "alice"}) for _ in range(50)]
+    ids = [q["id"] for q in questions]
+
+    async with unbounded_session() as session:
+        http = Http(session, client)
+        waits = [asyncio.create_task(http.wait(agent, ids[i % 50], 20)) for i in range(100)]
+        try:
+            await until_waiting(client, 100, waits)
+            assert app[WAITERS].channels == 50
+            resubscriptions = app[WAITERS].resubscriptions
+
+            # Kill every pub/sub connection and answer half the questions in the same MULTI:
+            # those publishes reach no subscriber, for certain.
+            answer = store.scripts.lua["answer"]
+            async with redis.pipeline(transaction=True) as pipe:
+                pipe.client_kill_filter(_type="pubsub")
+                for question_id in ids[:25]:
+                    keys = answer.keys(store._transition_keys(question_id))
+                    args = answer.args(
+                        {
+                            "id": question_id,
+                            "responder": "alice",
+                            "option": "yes",
+                            "call id": f"outage-{question_id}",
+                            "responder rooms": "||",
+                            "retention": store.retention_ms,
+                            "outbox maxlen": store.outbox_maxlen,
+                        }
+                    )
+                    pipe.eval(answer.source, len(keys), *keys, *args)
+                results = await pipe.execute()
+            assert results[0] >= 1
+            assert [r[0] for r in results[1:]] == ["applied"] * 25
+            # The other half through the service, right away, while it reconnects.
+            late = await asyncio.gather(*(http.answer(alice, q, "no") for q in ids[25:]))
+            assert all(status == 200 and body["applied"] for status, body in late)
+
+            async with asyncio.timeout(10):  # well before the waiters' own 20 s timeout
+                replies = await asyncio.gather(*waits)
+        finally:
+            for task in waits:
+                task.cancel()
+
+    assert app[WAITERS].resubscriptions > resubscriptions
+    for i, (status, body) in enumerate(replies):
+        assert status == 200
+        assert body["state"] == "answered"
+        assert body == (await api.get(agent, ids[i % 50])).body
+        assert body["answer"]["option"] == ("yes" if i % 50 < 25 else "no")
+    for question_id in ids:
+        await until_unsubscribed(client, redis, store.channel(question_id))
+
+
+async def test_wait_that_times_out_returns_the_pending_envelope_and_unsubscribes(
+    api: Api, client: TestClient[object, object], redis: Redis
+) -> None:
+    agent = await api.principal("agent", "agent")
+    await api.principal("alice", "user")
+    question = await api.ask(agent, {"user": "alice"})
+    channel = client.server.app[STORE].channel(question["id"])
+
+    replies = await asyncio.gather(
+        api.wait(agent, question["id"], 0.3),
+        api.call("GET", f"/v1/questions/{question['id']}/wait", agent, headers={"Prefer": "wait=0.3"}),
+    )
+
+    for reply in replies:
+        assert reply.status == 200
+        assert reply.body == question
+        assert reply.body["state"] == "pending"
+    assert replies[1].headers["Preference-Applied"] == "wait=0.3"
+    await until_unsubscribed(client, redis, channel)
+
+
+async def test_channel_is_unsubscribed_once_the_last_of_many_waiters_leaves(
+    api: Api, client: TestClient[object, object], redis: Redis
+) -> None:
+    agent = await api.principal("agent", "agent")
+    alice = await api.principal("alice", "user")
+    question = await api.ask(agent, {"user": "alice"})
+    channel = client.server.app[STORE].channel(question["id"])
+
+    async with unbounded_session() as session:
+        http = Http(session, client)
+        short = [asyncio.create_task(http.wait(agent, question["id"], 0.5)) for _ in range(20)]
+        long = [asyncio.create_task(http.wait(agent, question["id"], 10)) for _ in range(20)]
+        await until_waiting(client, 40)
+        timed_out = await asyncio.gather(*short)
+        # The long waiters still hold the one subscription after the short ones left.
+        assert client.server.app[WAITERS].waiting == 20
+        assert await numsub(redis, channel) == 1
+        answered = await http.answer(alice, question["id"], "no")
+        woken = await asyncio.gather(*long)
+
+    assert all(body == question for _, body in timed_out)
+    assert all(body == answered[1]["question"] for _, body in woken)
+    await until_unsubscribed(client, redis, channel)
+
+
+async def test_waiter_arriving_while_the_channel_churns_is_still_woken(
+    long_wait_client: TestClient[object, object], redis: Redis
+) -> None:
+    """Short waiters leave (unsubscribe) just as a long one arrives (subscribe), over and over at
+    slightly different moments; every long waiter must hold a live subscription and be woken."""
+    client = long_wait_client
+    api = Api(client, ADMIN_TOKEN)
+    store = client.server.app[STORE]
+    agent = await api.principal("agent", "agent")
+    alice = await api.principal("alice", "user")
+    questions = [await api.ask(agent, {"user": "alice"}) for _ in range(20)]
+
+    async with unbounded_session() as session:
+        http = Http(session, client)
+        stayers = []
+        try:
+            for trial, question in enumerate(questions):
+                blips = [asyncio.create_task(http.wait(agent, question["id"], 0.05)) for _ in range(3)]
+                await asyncio.sleep(0.04 + trial * 0.001)  # arrive around the blips' departure
+                stayers.append(asyncio.create_task(http.wait(agent, question["id"], 30)))
+                await asyncio.gather(*blips)
+            await until_waiting(client, len(questions), stayers)
+            for question in questions:
+                assert await numsub(redis, store.channel(question["id"])) == 1, question["id"]
+            answers = await asyncio.gather(*(http.answer(alice, q["id"], "yes") for q in questions))
+            async with asyncio.timeout(10):  # woken, not timed out (the waits run 30 s)
+                woken = await asyncio.gather(*stayers)
+        finally:
+            for task in stayers:
+                task.cancel()
+
+    for (_, answered), (status, body) in zip(answers, woken, strict=True):
+        assert status == 200
+        assert body == answered["question"]
+    for question in questions:
+        await until_unsubscribed(client, redis, store.channel(question["id"]))
+
+
+async def test_envelope_from_pubsub_wake_up_is_identical_to_fetch_with_unicode_content(
+    api: Api, client: TestClient[object, object]
+) -> None:
+    agent = await api.principal("agent", "agent")
+    alice = await api.principal("alice", "user")
+    prompt = 'Déployer 🚀 "prod"/staging?\n\\ tab\t<b>&amp; \u2028 end'
+    metadata = {"ünï": ["💥", 1.5, None, True, {"a/b": "c\\d"}], "empty": {}, "list": []}
+    answered_q = await api.ask(
+        agent, {"user": "alice"}, options=("oui", "non"), prompt=prompt, metadata=metadata
+    )
+    cancelled_q = await api.ask(agent, {"user": "alice"}, prompt=prompt, metadata=metadata)
+
+    waits = [asyncio.create_task(api.wait(agent, q["id"], 10)) for q in (answered_q, cancelled_q)]
+    await until_waiting(client, 2)
+    answered = await api.answer(alice, answered_q["id"], "oui")
+    cancelled = await api.cancel(agent, cancelled_q["id"], 'annulé — «raison» 🙅 "quoted"')
+    woken = await asyncio.gather(*waits)
+
+    for reply, wake in zip((answered, cancelled), woken, strict=True):
+        fetched = await api.get(agent, reply.body["question"]["id"])
+        assert wake.body == reply.body["question"] == fetched.body
+        assert wake.body["prompt"] == prompt
+        assert wake.body["metadata"] == metadata
+    assert woken[1].body["cancellation"]["reason"] == 'annulé — «raison» 🙅 "quoted"'
