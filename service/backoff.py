@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 from redis.exceptions import RedisError
 
@@ -33,3 +35,16 @@ class Backoff:
         if self.failures:
             log.warning("%s: recovered after %d failed attempts", self.name, self.failures)
             self.failures = 0
+
+
+async def stop_tasks(tasks: Sequence[asyncio.Task[Any]], grace: float = 3.0) -> None:
+    """Cancel background tasks and wait at most `grace` seconds. redis-py can lose a cancellation
+    that lands inside a command (redis/redis-py#2028, #2551); each loop also checks a stop flag,
+    which ends it within one iteration, and the grace bound keeps shutdown from ever hanging."""
+    for task in tasks:
+        task.cancel()
+    if not tasks:
+        return
+    _, pending = await asyncio.wait(tasks, timeout=grace)
+    for task in pending:
+        log.warning("background task %s still running %.0f s after cancel", task.get_name(), grace)

@@ -25,7 +25,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
-from service.backoff import Backoff
+from service.backoff import Backoff, stop_tasks
 from service.keys import BUCKETS, Keys
 from service.model import envelope, to_json
 from service.scripts import pairs_to_fields
@@ -68,7 +68,7 @@ class EventRelay:
         self.consumer = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.reclaim_idle_ms = RECLAIM_IDLE_MS
         self.relayed = 0
-        self.stopping = False
+        self.stopping = False  # checked each read: see backoff.stop_tasks
 
     async def ensure_groups(self) -> None:
         for b in range(BUCKETS):
@@ -77,13 +77,6 @@ class EventRelay:
             except ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
-
-    def stop(self) -> None:
-        """Ask the loop to end after its current read (at most one BLOCK period).
-
-        Shutdown sets this and also cancels: redis-py 8.1 can lose a cancellation that lands
-        inside a blocking read, and this flag still ends the loop then."""
-        self.stopping = True
 
     async def run(self) -> None:
         """Relay until stopped or cancelled; after any failure, log it and go on."""
@@ -191,10 +184,9 @@ class EventHub:
         self._task = asyncio.create_task(self._read_loop(), name="event-hub")
 
     async def stop(self) -> None:
-        self._stopping = True  # see EventRelay.stop: the flag ends the loop if a cancel is lost
+        self._stopping = True
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await stop_tasks([self._task])
         for subscribers in self._subscribers.values():
             for subscriber in subscribers:
                 subscriber.queue.put_nowait(None)

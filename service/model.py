@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 import json
 import re
+import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 from service.scripts import Fields
@@ -89,8 +89,8 @@ class Question:
 
 def timestamp(ms: int | str) -> str:
     """RFC 3339 UTC with milliseconds, from Redis TIME milliseconds."""
-    moment = datetime.fromtimestamp(int(ms) / 1000, tz=UTC)
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{int(ms) % 1000:03d}Z"
+    seconds, millis = divmod(int(ms), 1000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{millis:03d}Z"
 
 
 def envelope(f: Fields) -> dict[str, Any]:

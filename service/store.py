@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import itertools
 import re
 import secrets
 from collections.abc import Callable, Sequence
@@ -24,8 +25,14 @@ class BadCursor(ValueError):
     """A list cursor that this service did not issue."""
 
 
+_CALL_PREFIX = secrets.token_hex(5)
+_call_numbers = itertools.count(1)
+
+
 def new_call_id() -> str:
-    return secrets.token_hex(8)
+    """Unique per call: a random per-process prefix (40 bits) and a counter. Cheaper than
+    drawing fresh random bytes per call, which cost a system call on the hot path."""
+    return f"{_CALL_PREFIX}{next(_call_numbers):x}"
 
 
 @dataclass(frozen=True, slots=True)

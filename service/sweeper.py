@@ -35,6 +35,7 @@ class Sweeper:
         self.store = store
         self.interval = interval
         self.totals = SweepTotals()
+        self.stopping = False  # checked each pass: see backoff.stop_tasks
 
     async def sweep_once(self) -> SweepTotals:
         """Expire every overdue question and purge every question past retention, in batches."""
@@ -58,7 +59,7 @@ class Sweeper:
         """Sweep on a drift-free schedule until cancelled; log and go on after any other error."""
         next_at = time.monotonic()
         backoff = Backoff("sweeper", base=self.interval)
-        while True:
+        while not self.stopping:
             try:
                 await self.sweep_once()
             except asyncio.CancelledError:
@@ -84,6 +85,7 @@ class KeyspaceListener:
         self.keys = keys
         self.expired = 0
         self.enabled = False
+        self.stopping = False  # checked each read: see backoff.stop_tasks
 
     async def enable_notifications(self) -> bool:
         """Make sure `notify-keyspace-events` includes `Ex`; warn when the server refuses."""
@@ -104,7 +106,7 @@ class KeyspaceListener:
     async def run(self) -> None:
         """Listen until cancelled; after any failure, log it and start over."""
         backoff = Backoff("keyspace listener")
-        while True:
+        while not self.stopping:
             try:
                 await self._listen(backoff)
             except asyncio.CancelledError:
@@ -118,7 +120,7 @@ class KeyspaceListener:
         pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
         try:
             await pubsub.subscribe(EXPIRED_EVENT.format(db=db))
-            while True:
+            while not self.stopping:
                 try:
                     message = await pubsub.get_message(timeout=1.0)
                 except RedisError as exc:

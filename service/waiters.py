@@ -21,7 +21,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from service.backoff import Backoff
+from service.backoff import Backoff, stop_tasks
 from service.model import Question
 from service.scripts import Fields, pairs_to_fields
 from service.store import QuestionStore
@@ -47,6 +47,7 @@ class Waiters:
         self._background: set[asyncio.Task[Any]] = set()
         self._reader: asyncio.Task[None] | None = None
         self.resubscriptions = 0
+        self._stopping = False
 
     @property
     def waiting(self) -> int:
@@ -60,10 +61,8 @@ class Waiters:
         self._reader = asyncio.create_task(self._read_loop(), name="waiters-reader")
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._reader, *self._background) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        self._stopping = True
+        await stop_tasks([t for t in (self._reader, *self._background) if t is not None])
         await self._pubsub.aclose()  # type: ignore[no-untyped-call]
 
     async def wait(self, question_id: str, timeout: float) -> Question | None:
@@ -162,7 +161,7 @@ class Waiters:
 
     async def _read_loop(self) -> None:
         backoff = Backoff("waiters pub/sub", base=RECONNECT_DELAY, cap=2.0)
-        while True:
+        while not self._stopping:
             await self._connected.wait()
             try:
                 message = await self._pubsub.get_message(timeout=1.0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import io
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -59,11 +61,23 @@ async def start_client(settings: Settings) -> TestClient[object, object]:
     return client
 
 
+async def close_client(client: TestClient[object, object], within: float = 20.0) -> None:
+    """Close the app; if that hangs, fail with every task's stack instead of a bare timeout."""
+    closing = asyncio.ensure_future(client.close())
+    done, _ = await asyncio.wait([closing], timeout=within)
+    if not done:
+        stacks = io.StringIO()
+        for task in asyncio.all_tasks():
+            task.print_stack(limit=30, file=stacks)
+        raise AssertionError(f"app shutdown hung for {within} s; tasks:\n{stacks.getvalue()}")
+    closing.result()
+
+
 @pytest.fixture
 async def client(settings: Settings) -> AsyncIterator[TestClient[object, object]]:
     c = await start_client(settings)
     yield c
-    await c.close()
+    await close_client(c)
 
 
 @pytest.fixture
@@ -80,4 +94,4 @@ async def any_api(
     url = request.getfixturevalue("redis_server").url if real else MEMORY_URL
     c = await start_client(test_settings(url))
     yield Api(c, ADMIN_TOKEN)
-    await c.close()
+    await close_client(c)

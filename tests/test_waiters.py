@@ -14,7 +14,7 @@ from redis.asyncio import Redis
 
 from service.http.appkeys import STORE, WAITERS
 from tests.api import Api
-from tests.conftest import ADMIN_TOKEN, start_client
+from tests.conftest import ADMIN_TOKEN, close_client, start_client
 from tests.conftest import test_settings as settings_for
 from tests.helpers_reliability import ChannelTap, Http, eventually, unbounded_session
 from tests.redis_server import RedisServer
@@ -50,7 +50,7 @@ async def until_unsubscribed(client: TestClient[object, object], redis: Redis, c
 async def long_wait_client(redis_server: RedisServer) -> AsyncIterator[TestClient[object, object]]:
     client = await start_client(settings_for(redis_server.url, wait_max_seconds=60))
     yield client
-    await client.close()
+    await close_client(client)
 
 
 async def test_waiter_is_woken_exactly_once_with_the_final_envelope(

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from service.auth import Directory
+from service.backoff import stop_tasks
 from service.events import EventHub, EventRelay
 from service.http.appkeys import (
     BLOCKING_REDIS,
@@ -120,7 +121,6 @@ async def background_ctx(app: web.Application) -> AsyncIterator[None]:
         await ensure_groups_quietly(app[RELAY])
         tasks.append(asyncio.create_task(app[RELAY].run(), name="event-relay"))
     yield
-    app[RELAY].stop()
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    for loop in (app[SWEEPER], app[LISTENER], app[RELAY]):
+        loop.stopping = True
+    await stop_tasks(tasks)
