@@ -136,6 +136,11 @@ class LuaScript:
 
     def keys(self, named: Mapping[str, str]) -> list[str]:
         """Keys in header order; trailing keys the caller leaves out are optional."""
+        if len(named) == len(self.key_names):
+            try:  # the hot path: every name given, so none can be unknown either
+                return [named[n] for n in self.key_names]
+            except KeyError:
+                pass
         unknown = set(named) - set(self.key_names)
         if unknown:
             raise KeyError(f"{self.name}.lua takes no keys named {sorted(unknown)}")
@@ -147,6 +152,11 @@ class LuaScript:
         return [k for k in ordered if k is not None]
 
     def args(self, named: Mapping[str, str | int]) -> list[str | int]:
+        if len(named) == len(self.arg_names):
+            try:
+                return [named[n] for n in self.arg_names]
+            except KeyError:
+                pass
         if set(named) != set(self.arg_names):
             missing = set(self.arg_names) - set(named)
             extra = set(named) - set(self.arg_names)
