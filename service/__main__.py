@@ -84,6 +84,8 @@ def serve(settings: Settings) -> None:
         port=settings.port,
         loop=new_event_loop(),
         reuse_port=settings.reuse_port,
+        # A client that gives up on a long poll must release its waiter at once, not at timeout.
+        handler_cancellation=True,
         access_log=logging.getLogger("aiohttp.access") if settings.access_log else None,
         print=lambda _: log.info("serving on http://%s:%d", settings.host, settings.port),
     )

@@ -48,6 +48,9 @@ class Waiters:
         self._reader: asyncio.Task[None] | None = None
         self.resubscriptions = 0
         self._stopping = False
+        # redis-py's PubSub.connect() is not safe to race: concurrent first subscribes would each
+        # take a pool connection, and messages on all but the last one would never be read.
+        self._connect_lock = asyncio.Lock()
 
     @property
     def waiting(self) -> int:
@@ -129,6 +132,9 @@ class Waiters:
             entry.pending_subscribes += 1
             entry.ready.clear()
         try:
+            if self._pubsub.connection is None:
+                async with self._connect_lock:
+                    await self._pubsub.connect()  # type: ignore[no-untyped-call]
             await self._pubsub.subscribe(*(channel for channel, _ in fresh))
         except BaseException:
             for _, entry in fresh:

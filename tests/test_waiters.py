@@ -306,3 +306,40 @@ async def test_envelope_from_pubsub_wake_up_is_identical_to_fetch_with_unicode_c
         assert wake.body["prompt"] == prompt
         assert wake.body["metadata"] == metadata
     assert woken[1].body["cancellation"]["reason"] == 'annulé — «raison» 🙅 "quoted"'
+
+
+async def test_concurrent_first_waits_on_a_fresh_process_share_one_pubsub_connection(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """redis-py lets racing first subscribes each take a connection; only one is ever read, so
+    without the connect lock some of these waiters would sleep until their timeout."""
+    client = await start_client(settings_for(redis_server.url, wait_max_seconds=30))
+    try:
+        api = Api(client, ADMIN_TOKEN)
+        agent = await api.principal("agent", "agent")
+        alice = await api.principal("alice", "user")
+        ids = [(await api.ask(agent, {"user": "alice"}))["id"] for _ in range(50)]
+        waiters = client.server.app[WAITERS]
+        pool = waiters._pubsub.connection_pool
+        plain_get = pool.get_connection
+
+        async def slow_get(*args: Any, **kwargs: Any) -> Any:
+            await asyncio.sleep(0.01)  # as when the pool must dial a new connection
+            return await plain_get(*args, **kwargs)
+
+        monkeypatch.setattr(pool, "get_connection", slow_get)
+        # All 50 first subscribes start in the same event-loop turn, on a never-used PubSub.
+        waits = [asyncio.create_task(waiters.wait(q, 20)) for q in ids]
+        await eventually(lambda: _true(waiters.waiting == 50), within=10, what="50 waiters registered")
+        await asyncio.sleep(0.2)
+        monkeypatch.undo()
+        await asyncio.gather(*(api.answer(alice, q, "yes") for q in ids))
+        async with asyncio.timeout(10):  # far below the 20 s wait
+            woken = await asyncio.gather(*waits)
+        assert [q.state.value if q else None for q in woken] == ["answered"] * 50
+    finally:
+        await close_client(client)
+
+
+async def _true(value: bool) -> bool:
+    return value
