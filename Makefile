@@ -28,5 +28,11 @@ lint: $(STAMP)
 pytest: $(STAMP)
 	$(BIN)/pytest $(PYTEST_ARGS)
 
+## bench: issue 3's benchmarks in one run (about 5 min): one table, and docs/benchmarks.md
+bench: $(STAMP)
+	@$(BIN)/python -c 'import dbos' 2>/dev/null || $(BIN)/pip install --quiet -e ".[bench]" \
+		|| echo "bench: could not install the bench extras (.[bench]); the DBOS peer row says why"
+	$(BIN)/python -m bench
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
