@@ -26,29 +26,49 @@ class _Call:
     future: asyncio.Future[Any] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
+# Batches on the wire at once. More would only spread the same calls over more connections;
+# while they are out, new calls gather into the next, larger batch.
+MAX_IN_FLIGHT = 4
+
+
 class Coalescer:
     def __init__(self, redis: Redis) -> None:
         self.redis = redis
         self._queue: list[_Call] = []
         self._tasks: set[asyncio.Task[None]] = set()
+        self._scheduled = False
         self.batches = 0
         self.calls = 0
+        self.peak_in_flight = 0
 
     def evalsha(
         self, sha: str, source: str, keys: Sequence[str], args: Sequence[str | int]
     ) -> asyncio.Future[Any]:
         """Queue one script call; the returned future gets its reply or its own exception."""
         call = _Call(sha, source, keys, args)
-        if not self._queue:
-            asyncio.get_running_loop().call_soon(self._flush)
         self._queue.append(call)
+        self._schedule()
         return call.future
 
+    def _schedule(self) -> None:
+        if not self._scheduled and len(self._tasks) < MAX_IN_FLIGHT:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
     def _flush(self) -> None:
+        self._scheduled = False
+        if not self._queue or len(self._tasks) >= MAX_IN_FLIGHT:
+            return  # a finishing batch schedules the next flush
         batch, self._queue = self._queue, []
         task = asyncio.create_task(self._send(batch))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.peak_in_flight = max(self.peak_in_flight, len(self._tasks))
+        task.add_done_callback(self._batch_done)
+
+    def _batch_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if self._queue:
+            self._schedule()
 
     async def _send(self, batch: list[_Call]) -> None:
         self.batches += 1
@@ -78,6 +98,9 @@ class Coalescer:
             return list(await pipe.execute(raise_on_error=False))
 
     async def aclose(self) -> None:
+        for call in self._queue:
+            call.future.cancel()
+        self._queue.clear()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

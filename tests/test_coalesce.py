@@ -7,6 +7,7 @@ import asyncio
 import pytest
 from redis.asyncio import Redis
 
+from service.coalesce import MAX_IN_FLIGHT
 from service.keys import Keys, new_question_id
 from service.scripts import Code, ScriptMisuse, Scripts
 from service.settings import Settings
@@ -93,3 +94,14 @@ async def test_connection_failure_reaches_every_caller_of_the_batch() -> None:
 async def test_sweeper_codes_arrive_in_call_order(store: QuestionStore) -> None:
     codes = await store.expire_many([new_question_id() for _ in range(50)])
     assert codes == [Code.NOT_FOUND] * 50
+
+
+async def test_at_most_a_few_batches_are_in_flight_and_later_calls_gather(store: QuestionStore) -> None:
+    coalescer = store.scripts.coalescer
+    futures = []
+    for _ in range(50):  # 50 event-loop turns, 20 calls each, while earlier batches are out
+        futures.extend(reads(store, 20))
+        await asyncio.sleep(0)
+    assert await asyncio.gather(*futures) == [None] * 1000
+    assert coalescer.peak_in_flight <= MAX_IN_FLIGHT
+    assert coalescer.batches < 50
