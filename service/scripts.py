@@ -167,6 +167,13 @@ class LuaScript:
 UNAVAILABLE = ("OOM", "MISCONF", "NOREPLICAS", "READONLY", "BUSY", "LOADING", "MASTERDOWN", "CLUSTERDOWN")
 
 
+def refusal(name: str, exc: ResponseError) -> Exception:
+    """Redis refusing writes (out of memory, read-only replica, ...) is an outage, not misuse."""
+    if str(exc).startswith(UNAVAILABLE):
+        return Unavailable(f"Redis refused the write: {exc}")
+    return ScriptMisuse(f"{name}.lua: {exc}")
+
+
 class Scripts:
     """Every script called by SHA through one coalescer; NOSCRIPT reloads it by itself."""
 
@@ -175,21 +182,28 @@ class Scripts:
         self.lua = {name: LuaScript.load(name, shebang=shebang) for name in SCRIPT_NAMES}
         self.coalescer = Coalescer(redis)
 
-    async def call(self, name: str, keys: Mapping[str, str], args: Mapping[str, str | int]) -> Reply:
+    def _submit(
+        self, name: str, keys: Mapping[str, str], args: Mapping[str, str | int]
+    ) -> asyncio.Future[Any]:
         script = self.lua[name]
-        future = self.coalescer.evalsha(script.sha, script.source, script.keys(keys), script.args(args))
+        return self.coalescer.evalsha(script.sha, script.source, script.keys(keys), script.args(args))
+
+    async def call(self, name: str, keys: Mapping[str, str], args: Mapping[str, str | int]) -> Reply:
         try:
-            return interpret(await future)
+            return interpret(await self._submit(name, keys, args))
         except ResponseError as exc:
-            if str(exc).startswith(UNAVAILABLE):
-                raise Unavailable(f"Redis refused the write: {exc}") from exc
-            raise ScriptMisuse(f"{name}.lua: {exc}") from exc
+            raise refusal(name, exc) from exc
 
     async def call_many(
         self, name: str, calls: Sequence[tuple[Mapping[str, str], Mapping[str, str | int]]]
     ) -> list[Reply]:
-        """Many calls of one script; issued together, they share one pipeline."""
-        return list(await asyncio.gather(*(self.call(name, keys, args) for keys, args in calls)))
+        """Many calls of one script; issued together, they share one pipeline. Gathering the
+        futures themselves (not a coroutine per call) spares a task per call on sweeps."""
+        futures = [self._submit(name, keys, args) for keys, args in calls]
+        try:
+            return [interpret(raw) for raw in await asyncio.gather(*futures)]
+        except ResponseError as exc:
+            raise refusal(name, exc) from exc
 
     def shas(self) -> list[str]:
         return [s.sha for s in self.lua.values()]
