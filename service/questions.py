@@ -110,6 +110,7 @@ class QuestionService:
         question = await self.get(principal, question_id)
         if question.state.terminal or timeout <= 0:
             return question
+        del question  # a parked request should not hold the question's fields (KiBs per waiter)
         woken = await self.waiters.wait(question_id, timeout)
         if woken is not None:
             return woken

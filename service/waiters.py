@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 RECONNECT_DELAY = 0.2
 
 
-@dataclass
+@dataclass(slots=True)
 class _Channel:
     question_id: str
     futures: set[asyncio.Future[Fields]] = field(default_factory=set)
@@ -75,6 +75,7 @@ class Waiters:
                 question = await self._store.read(question_id)
                 if question is None or question.state.terminal:
                     return question
+                del question  # parked: hold nothing but the future
                 return Question(await futures[question_id])
         except TimeoutError:
             return None

@@ -25,7 +25,7 @@ def require_binary() -> str:
     if BINARY is None:
         if os.environ.get("CI") == "true":
             pytest.fail(MISSING + " -- required under CI=true")
-        pytest.skip(MISSING)
+        pytest.skip(reason=MISSING)
     return BINARY
 
 
