@@ -188,20 +188,30 @@ class QuestionService:
         if principal.kind is not Kind.USER:
             await self.get(principal, question_id)  # 404 unless it may see the question
             raise Forbidden("only the target user or a member of the target room may answer")
-        reply = await self.store.answer(
-            question_id, principal.id, option, await self._rooms_for(principal, question_id)
-        )
+        reply = await self._answer_as(principal, question_id, option)
         if reply.code is Code.NOT_ELIGIBLE:
             raise NotFound(f"no question {question_id!r}")  # for users, eligible == visible
         if reply.code is Code.UNKNOWN_OPTION:
             raise Invalid(f"{option!r} is not one of this question's options")
         return outcome_of(question_id, reply)
 
-    async def _rooms_for(self, user: Principal, question_id: str) -> list[str]:
-        """The user's rooms that matter for this question, read just before the answer."""
+    async def _answer_as(self, user: Principal, question_id: str, option: str) -> Reply:
+        """Answer with the room membership this question needs, read just before the script.
+        A question whose target this process does not know yet is first tried as a direct
+        one (the common case: one Redis call); the refusal names its room if it has one."""
         target = self.targets.get(question_id)
-        if target is None:
-            return await self.directory.rooms_of(user.id)
+        rooms = await self._rooms_for(user, target) if target is not None else []
+        reply = await self.store.answer(question_id, user.id, option, rooms)
+        if reply.fields is None:
+            return reply
+        question = self._learn(Question(reply.fields))
+        if reply.code is Code.NOT_ELIGIBLE and target is None and question.target.kind == "room":
+            rooms = await self._rooms_for(user, question.target)
+            if rooms:
+                return await self.store.answer(question_id, user.id, option, rooms)
+        return reply
+
+    async def _rooms_for(self, user: Principal, target: Target) -> list[str]:
         if target.kind == "room" and await self.directory.is_member(target.id, user.id):
             return [target.id]
         return []

@@ -112,3 +112,25 @@ async def test_two_processes_share_one_port_with_reuse_port(settings: Settings) 
             process.send_signal(signal.SIGTERM)
         for process in processes:
             process.wait(timeout=10)
+
+
+async def test_room_member_answers_through_an_instance_that_never_saw_the_question(
+    settings: Settings,
+) -> None:
+    first, second = await start_client(settings), await start_client(settings)
+    try:
+        a, b = Api(first, ADMIN_TOKEN), Api(second, ADMIN_TOKEN)
+        agent = await a.principal("bot", "agent")
+        alice = await a.principal("alice", "user")
+        carol = await a.principal("carol", "user")
+        await a.room("ops", ["alice"])
+        question = await a.ask(agent, {"room": "ops"})
+        outsider = await b.answer(carol, question["id"], "yes")
+        assert outsider.status == 404
+        member = await b.answer(alice, question["id"], "no")
+        assert member.status == 200
+        assert member.body["applied"] is True
+        assert member.body["question"]["answer"]["responder"] == "alice"
+    finally:
+        await first.close()
+        await second.close()
