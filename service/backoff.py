@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -35,6 +35,21 @@ class Backoff:
         if self.failures:
             log.warning("%s: recovered after %d failed attempts", self.name, self.failures)
             self.failures = 0
+
+
+async def keep_running(
+    name: str, body: Callable[[Backoff], Awaitable[None]], stopping: Callable[[], bool]
+) -> None:
+    """Run `body` again after any failure (logged once per outage, with backoff) until
+    `stopping()` or cancellation."""
+    backoff = Backoff(name)
+    while not stopping():
+        try:
+            await body(backoff)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await backoff.failed(exc)
 
 
 async def stop_tasks(tasks: Sequence[asyncio.Task[Any]], grace: float = 3.0) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
-from service.backoff import Backoff, stop_tasks
+from service.backoff import Backoff, keep_running, stop_tasks
 from service.keys import BUCKETS, Keys
 from service.model import envelope, to_json
 from service.scripts import pairs_to_fields
@@ -80,17 +80,10 @@ class EventRelay:
 
     async def run(self) -> None:
         """Relay until stopped or cancelled; after any failure, log it and go on."""
-        backoff = Backoff("event relay")
-        while not self.stopping:
-            try:
-                await self.ensure_groups()
-                await self._relay_forever(backoff)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                await backoff.failed(exc)
+        await keep_running("event relay", self._relay_forever, lambda: self.stopping)
 
     async def _relay_forever(self, backoff: Backoff) -> None:
+        await self.ensure_groups()
         streams: dict[Any, Any] = {self.keys.outbox(b): ">" for b in range(BUCKETS)}
         next_reclaim = 0.0
         loop = asyncio.get_running_loop()

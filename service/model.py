@@ -80,9 +80,6 @@ class Question:
     def target(self) -> Target:
         return Target(self.fields["to_kind"], self.fields["to_id"])
 
-    def option_ids(self) -> list[str]:
-        return [o for o in self.fields["opt_ids"].split("|") if o]
-
     def envelope(self) -> dict[str, Any]:
         return envelope(self.fields)
 

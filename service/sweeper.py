@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
-from service.backoff import Backoff
+from service.backoff import Backoff, keep_running
 from service.keys import Keys
 from service.scripts import Code
 from service.store import QuestionStore
@@ -105,14 +105,7 @@ class KeyspaceListener:
 
     async def run(self) -> None:
         """Listen until cancelled; after any failure, log it and start over."""
-        backoff = Backoff("keyspace listener")
-        while not self.stopping:
-            try:
-                await self._listen(backoff)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                await backoff.failed(exc)
+        await keep_running("keyspace listener", self._listen, lambda: self.stopping)
 
     async def _listen(self, backoff: Backoff) -> None:
         self.enabled = await self.enable_notifications()

@@ -14,7 +14,7 @@ from service.bodies import IDENTITY_FIELDS
 from service.errors import Forbidden, IdentityInBody, Invalid, NotFound, Unauthenticated
 from service.http.appkeys import DIRECTORY, EVENT_HUB, QUESTIONS, REDIS, SCRIPTS, SETTINGS
 from service.http.codec import read_body, respond
-from service.model import Kind, Principal, Question, State
+from service.model import Kind, Principal, State
 from service.questions import Outcome
 
 PRINCIPAL = web.RequestKey("principal", Principal)
@@ -49,10 +49,6 @@ def check_query(request: web.Request) -> None:
     unknown = set(request.query) - allowed
     if unknown:
         raise Invalid(f"unknown query parameters {sorted(unknown)}; allowed: {sorted(allowed)}")
-
-
-def envelope_reply(question: Question) -> dict[str, Any]:
-    return question.envelope()
 
 
 def outcome_reply(outcome: Outcome) -> dict[str, Any]:
