@@ -1,0 +1,35 @@
+#!lua
+--[[
+  deliver_replay: give a dead-lettered delivery a fresh round of attempts, starting now.
+
+  From-states: dead -> pending (attempts back to 0, history kept). pending | delivered: nothing
+  changes.
+
+  Input:
+    KEYS[1] delivery         (HASH)
+    KEYS[2] due              (ZSET)   bucket deliveries by due time, ms
+    KEYS[3] dead letters     (STREAM) bucket dead-letter stream
+    ARGV[1] id               delivery id
+
+  Output:
+    {'applied', fields}      back in the queue, due now
+    {'stale', fields}        not dead; nothing changed
+    {'not_found'}            no such delivery
+
+  Events:
+    XDEL KEYS[3] <the delivery's dead-letter entry>
+]]
+--@include "now_ms"
+local now = now_ms()
+local fields = redis.call('HMGET', KEYS[1], 'status', 'dead_entry')
+if not fields[1] then
+  return {'not_found'}
+end
+if fields[1] ~= 'dead' then
+  return {'stale', redis.call('HGETALL', KEYS[1])}
+end
+redis.call('XDEL', KEYS[3], fields[2])
+redis.call('HSET', KEYS[1], 'status', 'pending', 'attempts', 0, 'next_ms', now, 'dead_entry', '')
+redis.call('PERSIST', KEYS[1])
+redis.call('ZADD', KEYS[2], now, ARGV[1])
+return {'applied', redis.call('HGETALL', KEYS[1])}

@@ -1,0 +1,63 @@
+#!lua
+--[[
+  deliver_settle: record one attempt of a delivery and decide what follows.
+
+  From-states: pending -> delivered (a 2xx), pending -> pending (failed, retried after ARGV[6]),
+  pending -> dead (failed and no retry left). delivered | dead: nothing changes (another worker
+  settled it after a lease ran out).
+
+  Input:
+    KEYS[1] delivery         (HASH)
+    KEYS[2] due              (ZSET)   bucket deliveries by due time, ms
+    KEYS[3] dead letters     (STREAM) bucket dead-letter stream
+    ARGV[1] id               delivery id
+    ARGV[2] ok               '1' for a 2xx response, '0' otherwise
+    ARGV[3] status           HTTP status, 0 when no response came
+    ARGV[4] error            why it failed, '' on success
+    ARGV[5] duration         ms the attempt took
+    ARGV[6] retry in         ms until the next attempt, '' when this was the last
+    ARGV[7] retention        ms a delivered or dead record stays readable
+    ARGV[8] history cap      most attempts kept in the record
+
+  Output:
+    {'applied', fields}      the record after this attempt (HGETALL)
+    {'stale', fields}        already delivered or dead; nothing changed
+    {'not_found'}            no such delivery (expired after its retention)
+
+  Events:
+    XADD KEYS[3] id=<id> webhook=<endpoint> type=<type> question=<id> when the delivery goes dead
+]]
+--@include "now_ms"
+local now = now_ms()
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then
+  return {'not_found'}
+end
+if status ~= 'pending' then
+  return {'stale', redis.call('HGETALL', KEYS[1])}
+end
+local attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
+local history = cjson.decode(redis.call('HGET', KEYS[1], 'history'))
+table.insert(history, {at_ms = now, status = tonumber(ARGV[3]), error = ARGV[4],
+  duration_ms = tonumber(ARGV[5])})
+while #history > tonumber(ARGV[8]) do
+  table.remove(history, 1)
+end
+redis.call('HSET', KEYS[1], 'history', cjson.encode(history), 'last_ms', now)
+if ARGV[2] == '1' then
+  redis.call('HSET', KEYS[1], 'status', 'delivered', 'next_ms', '')
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  redis.call('PEXPIRE', KEYS[1], ARGV[7])
+elseif ARGV[6] == '' then
+  local fields = redis.call('HMGET', KEYS[1], 'webhook', 'type', 'question')
+  local entry = redis.call('XADD', KEYS[3], '*', 'id', ARGV[1], 'webhook', fields[1],
+    'type', fields[2], 'question', fields[3])
+  redis.call('HSET', KEYS[1], 'status', 'dead', 'next_ms', '', 'dead_entry', entry)
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  redis.call('PEXPIRE', KEYS[1], ARGV[7])
+else
+  local next_ms = now + tonumber(ARGV[6])
+  redis.call('HSET', KEYS[1], 'next_ms', next_ms)
+  redis.call('ZADD', KEYS[2], next_ms, ARGV[1])
+end
+return {'applied', redis.call('HGETALL', KEYS[1])}

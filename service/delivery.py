@@ -1,0 +1,473 @@
+"""Outgoing webhooks and Pings, at least once: outbox -> delivery records -> POSTs with retries.
+
+Two loops, any number of each across processes (docs/delivery.md):
+- the fan-out (an outbox consumer group "webhooks") turns each committed event into one delivery
+  record per target: each subscribed endpoint of the question's asker, the question's own
+  webhook_url, and each Ping channel of the people it waits for. Then it acknowledges the outbox
+  entry. A delivery's id is derived from the outbox entry and the target, so a fan-out re-run
+  after a crash finds the records it already made (deliver_enqueue.lua) instead of doubling them.
+- the sender leases due deliveries (deliver_claim.lua), POSTs each (webhooks signed per Standard
+  Webhooks; Pings built from the question as it is at send time), and records the attempt
+  (deliver_settle.lua): delivered on a 2xx; otherwise due again after the next step of the retry
+  schedule, or dead-lettered after the last. A sender killed between its POST and its record lets
+  the lease run out, and the delivery is sent again with the same webhook-id, which is how
+  receivers deduplicate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import json
+import logging
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import aiohttp
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+from standardwebhooks.webhooks import Webhook as Signer
+
+from service.backoff import Backoff, keep_running, stop_tasks
+from service.errors import NotFound
+from service.keys import BUCKETS, Keys, bucket_of
+from service.model import envelope, timestamp, to_json
+from service.outbound import Attempt, OutboundPolicy, new_session, parse_nets, post
+from service.outbox import Entries, OutboxConsumer
+from service.pings import ChannelRegistry, ServerKeys, build_ping, parse_ref, send_ping
+from service.scripts import Code, Scripts, pairs_to_fields
+from service.settings import Settings
+from service.webhooks import WebhookRegistry
+
+log = logging.getLogger(__name__)
+INDEX_CAP = 1000
+HISTORY_CAP = 20
+CLAIM_BATCH = 50
+SEND_CONCURRENCY = 32
+
+
+def delivery_id(outbox_entry: str, target: str) -> str:
+    return "msg_" + hashlib.sha256(f"{outbox_entry}|{target}".encode()).hexdigest()[:32]
+
+
+def webhook_body(event_type: str, committed_ms: int, question: dict[str, Any]) -> str:
+    """The payload: the event type, when it was committed, and the envelope a fetch returns."""
+    data = {"type": event_type, "timestamp": timestamp(committed_ms), "data": question}
+    return to_json(data).decode()
+
+
+def signed_headers(delivery: str, secret: str, body: str, now: datetime) -> dict[str, str]:
+    """Standard Webhooks headers; the signature covers `id.timestamp.body`."""
+    return {
+        "content-type": "application/json",
+        "user-agent": "question-service-webhooks",
+        "webhook-id": delivery,
+        "webhook-timestamp": str(int(now.timestamp())),
+        "webhook-signature": Signer(secret).sign(delivery, now, body),
+    }
+
+
+def parse_schedule(raw: str) -> tuple[float, ...]:
+    """`QS_WEBHOOK_RETRY_SCHEDULE`: seconds before each retry, comma-separated."""
+    return tuple(float(part) for part in raw.split(",") if part.strip())
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    id: str
+    bucket: int
+    webhook: str
+    url: str
+    type: str
+    body: str
+    attempts: int
+    status: str
+    question: str
+
+    @classmethod
+    def from_hash(cls, raw: dict[str, str]) -> Delivery:
+        return cls(
+            raw["id"],
+            bucket_of(raw["question"]),
+            raw["webhook"],
+            raw["url"],
+            raw["type"],
+            raw["body"],
+            int(raw["attempts"]),
+            raw["status"],
+            raw["question"],
+        )
+
+
+def public_delivery(raw: dict[str, str]) -> dict[str, Any]:
+    """A delivery record as the API shows it (never the secret, which it does not hold)."""
+    return {
+        "id": raw["id"],
+        "webhook_id": raw["webhook"] or None,
+        "type": raw["type"],
+        "question_id": raw["question"],
+        "status": raw["status"],
+        "attempts": int(raw["attempts"]),
+        "created_at": timestamp(raw["created_ms"]),
+        "next_attempt_at": timestamp(raw["next_ms"]) if raw.get("next_ms") else None,
+        "history": [
+            {
+                "at": timestamp(a["at_ms"]),
+                "status": a["status"] or None,
+                "error": a["error"] or None,
+                "duration_ms": a["duration_ms"],
+            }
+            for a in json.loads(raw["history"] or "[]")
+        ],
+    }
+
+
+class DeliveryStore:
+    """Delivery records over the deliver_*.lua scripts; keys built here from Keys."""
+
+    def __init__(self, redis: Redis, scripts: Scripts, keys: Keys, retention_ms: int) -> None:
+        self.redis = redis
+        self.scripts = scripts
+        self.keys = keys
+        self.retention_ms = retention_ms
+
+    async def enqueue(self, event: dict[str, str], hook_id: str, url: str, body: str, did: str) -> bool:
+        b = bucket_of(event["id"])
+        reply = await self.scripts.call(
+            "deliver_enqueue",
+            {
+                "delivery": self.keys.delivery(b, did),
+                "due": self.keys.deliveries_due(b),
+                "endpoint index": self.keys.webhook_deliveries(b, hook_id or "-"),
+            },
+            {
+                "id": did,
+                "webhook": hook_id,
+                "url": url,
+                "type": event["type"],
+                "question": event["id"],
+                "body": body,
+                "index cap": INDEX_CAP,
+            },
+        )
+        return reply.code is Code.CREATED
+
+    async def claim(self, b: int, lease_ms: int, count: int = CLAIM_BATCH) -> list[Delivery]:
+        reply = await self.scripts.call(
+            "deliver_claim", {"due": self.keys.deliveries_due(b)}, {"lease": lease_ms, "count": count}
+        )
+        if reply.code is not Code.APPLIED or not reply.value:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for did in reply.value.split():
+                pipe.hgetall(self.keys.delivery(b, did))
+            found = await pipe.execute()
+        return [Delivery.from_hash(raw) for raw in found if raw]
+
+    async def settle(self, delivery: Delivery, attempt: Attempt, retry_in_ms: int | None) -> Code:
+        b = delivery.bucket
+        reply = await self.scripts.call(
+            "deliver_settle",
+            self._record_keys(b, delivery.id),
+            {
+                "id": delivery.id,
+                "ok": "1" if attempt.ok else "0",
+                "status": attempt.status,
+                "error": attempt.error,
+                "duration": attempt.duration_ms,
+                "retry in": "" if retry_in_ms is None else retry_in_ms,
+                "retention": self.retention_ms,
+                "history cap": HISTORY_CAP,
+            },
+        )
+        return reply.code
+
+    async def replay(self, did: str) -> dict[str, Any]:
+        """Put a dead-lettered delivery back in the queue; NotFound unless it is dead."""
+        for b in range(BUCKETS):
+            reply = await self.scripts.call("deliver_replay", self._record_keys(b, did), {"id": did})
+            if reply.code is Code.NOT_FOUND:
+                continue
+            if reply.code is not Code.APPLIED or reply.fields is None:
+                raise NotFound(f"delivery {did!r} is not dead-lettered")
+            return public_delivery(reply.fields)
+        raise NotFound(f"no delivery {did!r}")
+
+    async def for_webhook(self, hook_id: str, limit: int) -> list[dict[str, Any]]:
+        """The endpoint's newest deliveries across buckets, newest first."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for b in range(BUCKETS):
+                pipe.zrange(
+                    self.keys.webhook_deliveries(b, hook_id), 0, limit - 1, desc=True, withscores=True
+                )
+            per_bucket = await pipe.execute()
+        newest = sorted(
+            ((score, b, did) for b, found in enumerate(per_bucket) for did, score in found), reverse=True
+        )[:limit]
+        return await self._records([(b, did) for _, b, did in newest])
+
+    async def dead_letters(self, limit: int) -> list[dict[str, Any]]:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for b in range(BUCKETS):
+                pipe.xrevrange(self.keys.dead_letters(b), count=limit)
+            per_bucket = await pipe.execute()
+        newest = sorted(
+            ((entry_id, b, fields["id"]) for b, found in enumerate(per_bucket) for entry_id, fields in found),
+            key=lambda e: tuple(int(p) for p in e[0].split("-")),
+            reverse=True,
+        )[:limit]
+        return await self._records([(b, did) for _, b, did in newest])
+
+    async def _records(self, refs: Sequence[tuple[int, str]]) -> list[dict[str, Any]]:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for b, did in refs:
+                pipe.hgetall(self.keys.delivery(b, did))
+            found = await pipe.execute()
+        return [public_delivery(raw) for raw in found if raw]
+
+    def _record_keys(self, b: int, did: str) -> dict[str, str]:
+        return {
+            "delivery": self.keys.delivery(b, did),
+            "due": self.keys.deliveries_due(b),
+            "dead letters": self.keys.dead_letters(b),
+        }
+
+
+@dataclass(frozen=True)
+class PingContext:
+    """What sending a Ping needs beyond a webhook: the channels, the keys, the public address."""
+
+    redis: Redis
+    keys: Keys
+    channels: ChannelRegistry
+    server_keys: ServerKeys
+    public_url: str
+    vapid_subject: str
+    retention_seconds: int
+
+
+class OutboxFanout(OutboxConsumer):
+    """Outbox events -> delivery records: one per subscribed webhook endpoint of the question's
+    asker, and one Ping per channel of each user the question waits for (created) or was shown
+    to (resolved: the Ping is withdrawn)."""
+
+    group = "webhooks"
+    label = "delivery fan-out"
+
+    def __init__(
+        self,
+        deliveries: DeliveryStore,
+        registry: WebhookRegistry,
+        pings: PingContext,
+        *,
+        blocking: Redis | None = None,
+    ) -> None:
+        super().__init__(pings.redis, pings.keys, blocking=blocking)
+        self.deliveries = deliveries
+        self.registry = registry
+        self.pings = pings
+
+    async def handle(self, outbox: str, entries: Entries) -> None:
+        for entry_id, fields in entries:
+            if fields:  # empty: trimmed away before it was read
+                await self._fan_out(entry_id, fields)
+        await self.redis.xack(outbox, self.group, *(entry_id for entry_id, _ in entries))
+
+    async def _fan_out(self, entry_id: str, event: dict[str, str]) -> None:
+        question = pairs_to_fields(json.loads(event["question"]))
+        hooks = await self.registry.subscribed(question["asker"], event["type"])
+        if hooks:
+            body = webhook_body(event["type"], int(entry_id.split("-")[0]), envelope(question))
+            for hook in hooks:
+                await self.deliveries.enqueue(event, hook.id, hook.url, body, delivery_id(entry_id, hook.id))
+        if question.get("hook_url") and event["type"] != "question.created":
+            body = webhook_body(event["type"], int(entry_id.split("-")[0]), envelope(question))
+            ref = f"q:{question['id']}"
+            await self.deliveries.enqueue(event, ref, question["hook_url"], body, delivery_id(entry_id, ref))
+        for ref in await self._ping_refs(event["type"], question):
+            await self.deliveries.enqueue(event, ref, "", "", delivery_id(entry_id, ref))
+
+    async def _ping_refs(self, event_type: str, question: dict[str, str]) -> list[str]:
+        """The channels to Ping: on creation, every channel of every target user (remembered);
+        on the end, the remembered ones, so a user who left the room still sees it end."""
+        pinged = self.keys.pinged(question["id"])
+        if event_type != "question.created":
+            return sorted(str(ref) for ref in await self.redis.smembers(pinged))
+        users = [question["to_id"]]
+        if question["to_kind"] == "room":
+            users = sorted(
+                str(u) for u in await self.redis.smembers(self.keys.room_members(question["to_id"]))
+            )
+        refs = [channel.ref for user in users for channel in await self.pings.channels.of_user(user)]
+        if refs:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.sadd(pinged, *refs)
+                pipe.expire(pinged, self.pings.retention_seconds)
+                await pipe.execute()
+        return refs
+
+
+class DeliverySender:
+    """Leases due deliveries from every bucket, sends them, records each attempt."""
+
+    def __init__(
+        self,
+        deliveries: DeliveryStore,
+        registry: WebhookRegistry,
+        policy: OutboundPolicy,
+        pings: PingContext,
+        *,
+        schedule: Sequence[float],
+        timeout: float,
+        lease_seconds: float,
+        poll_seconds: float = 0.2,
+    ) -> None:
+        self.deliveries = deliveries
+        self.registry = registry
+        self.policy = policy
+        self.pings = pings
+        self.schedule = tuple(schedule)
+        self.timeout = timeout
+        self.lease_ms = round(lease_seconds * 1000)
+        self.poll_seconds = poll_seconds
+        self.session: aiohttp.ClientSession | None = None
+        self.limit = asyncio.Semaphore(SEND_CONCURRENCY)
+        self.sent = 0
+        # (target kind webhook|ping, outcome delivered|retry|dead) -> attempts, for /metrics
+        self.attempts: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.stopping = False
+
+    async def run(self) -> None:
+        await keep_running("delivery sender", self._send_forever, lambda: self.stopping)
+
+    async def aclose(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def _send_forever(self, backoff: Backoff) -> None:
+        while not self.stopping:
+            claimed = await self.send_due()
+            backoff.succeeded()
+            if not claimed:
+                await asyncio.sleep(self.poll_seconds)
+
+    async def send_due(self) -> int:
+        """One pass over every bucket: send what is due; the number sent."""
+        batches = [await self.deliveries.claim(b, self.lease_ms) for b in range(BUCKETS)]
+        due = [d for batch in batches for d in batch if d.status == "pending"]
+        await asyncio.gather(*(self._send(d) for d in due))
+        return len(due)
+
+    async def _send(self, delivery: Delivery) -> None:
+        if self.session is None:
+            self.session = new_session(self.policy)
+        async with self.limit:
+            if delivery.webhook.startswith("ch:"):
+                attempt, final = await self._ping(delivery, self.session)
+            else:
+                attempt, final = await self._webhook(delivery, self.session)
+        last = final or delivery.attempts >= len(self.schedule)
+        retry_in = None if last else round(self.schedule[delivery.attempts] * random.uniform(0.8, 1.2) * 1000)
+        await self.deliveries.settle(delivery, attempt, retry_in)
+        self.sent += 1
+        outcome = "delivered" if attempt.ok else "dead" if retry_in is None else "retry"
+        self.attempts["ping" if delivery.webhook.startswith("ch:") else "webhook", outcome] += 1
+        if not attempt.ok:
+            log.info(
+                "delivery %s (%s) failed, attempt %d: %s",
+                delivery.id,
+                delivery.webhook,
+                delivery.attempts + 1,
+                attempt.error,
+            )
+
+    async def _webhook(self, delivery: Delivery, session: aiohttp.ClientSession) -> tuple[Attempt, bool]:
+        """(what the attempt did, whether retrying is pointless)."""
+        secret = await self._secret_of(delivery)
+        if secret is None:
+            return Attempt(0, "the endpoint was deleted", 0), True
+        headers = signed_headers(delivery.id, secret, delivery.body, datetime.now(UTC))
+        body = delivery.body.encode()
+        return await post(session, self.policy, delivery.url, body, headers, self.timeout), False
+
+    async def _secret_of(self, delivery: Delivery) -> str | None:
+        """A registered endpoint's secret, or the one a question was created with for its own URL."""
+        if delivery.webhook.startswith("q:"):
+            key = self.pings.keys.for_question(delivery.question).question
+            secret: Any = await self.pings.redis.hget(key, "hook_secret")
+            return None if secret is None else str(secret)
+        hook = await self.registry.find(delivery.webhook)
+        return None if hook is None else hook.secret
+
+    async def _ping(self, delivery: Delivery, session: aiohttp.ClientSession) -> tuple[Attempt, bool]:
+        user, name = parse_ref(delivery.webhook)
+        channel = await self.pings.channels.get(user, name)
+        if channel is None:
+            return Attempt(0, "the channel was deleted", 0), True
+        raw: Any = await self.pings.redis.hgetall(self.pings.keys.for_question(delivery.question).question)
+        if not raw:
+            return Attempt(0, "the question is gone (retention)", 0), True
+        key = await self.pings.server_keys.action_key()
+        ping = await build_ping(raw, user, self.pings.public_url, key, envelope(raw))
+        attempt = await send_ping(
+            session,
+            self.policy,
+            channel,
+            ping,
+            delivery=delivery.id,
+            server_keys=self.pings.server_keys,
+            vapid_subject=self.pings.vapid_subject,
+            timeout=self.timeout,
+        )
+        return attempt, False
+
+
+class DeliveryWorkers:
+    """The fan-out and the sender of one process, built from the settings, started and stopped together."""
+
+    def __init__(self, redis: Redis, scripts: Scripts, settings: Settings, *, blocking: Redis | None = None):
+        keys = Keys(settings.key_prefix)
+        policy = OutboundPolicy(parse_nets(settings.outbound_allow_nets))
+        self.registry = WebhookRegistry(redis, keys, policy)
+        self.channels = ChannelRegistry(redis, keys, policy)
+        self.server_keys = ServerKeys(redis, keys)
+        self.store = DeliveryStore(redis, scripts, keys, settings.retention_seconds * 1000)
+        pings = PingContext(
+            redis,
+            keys,
+            self.channels,
+            self.server_keys,
+            settings.base_url,
+            settings.vapid_subject,
+            settings.retention_seconds,
+        )
+        self.fanout = OutboxFanout(self.store, self.registry, pings, blocking=blocking)
+        self.sender = DeliverySender(
+            self.store,
+            self.registry,
+            policy,
+            pings,
+            schedule=parse_schedule(settings.webhook_retry_schedule),
+            timeout=settings.webhook_timeout_seconds,
+            lease_seconds=settings.delivery_lease_seconds,
+        )
+        self.tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        try:
+            await self.fanout.ensure_groups()
+        except RedisError as exc:
+            log.warning("cannot create the delivery fan-out's groups yet (%s); it will retry", exc)
+        self.tasks = [
+            asyncio.create_task(self.fanout.run(), name="delivery-fanout"),
+            asyncio.create_task(self.sender.run(), name="delivery-sender"),
+        ]
+
+    async def stop(self) -> None:
+        self.fanout.stopping = self.sender.stopping = True
+        await stop_tasks(self.tasks)
+        await self.sender.aclose()

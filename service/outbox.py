@@ -1,0 +1,125 @@
+"""A consumer of the bucket outboxes: one consumer group per kind of work, at-least-once.
+
+The transition scripts append every committed event to their bucket's outbox stream in the same
+script as the state change, so an event exists if and only if its transition committed. Each kind
+of consumer (the per-principal event relay, the webhook fan-out) reads the outboxes through its own
+consumer group, handles a batch, and acknowledges it only after handling succeeded; entries a dead
+consumer left unacknowledged are taken over with XAUTOCLAIM once idle long enough. Handlers must be
+idempotent, because an entry can be handled twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError, ResponseError
+
+from service.backoff import Backoff, keep_running
+from service.keys import BUCKETS, Keys
+from service.redis_client import is_cluster
+
+Entries = Sequence[tuple[str, dict[str, str]]]
+RECLAIM_IDLE_MS = 30_000
+
+
+class OutboxConsumer:
+    """Subclasses name their `group` and implement `handle`, which must acknowledge."""
+
+    group = ""
+    label = "outbox consumer"
+
+    def __init__(self, redis: Redis, keys: Keys, *, blocking: Redis | None = None) -> None:
+        self.redis = redis
+        self.blocking = blocking or redis
+        self.keys = keys
+        self.consumer = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.reclaim_idle_ms = RECLAIM_IDLE_MS
+        self.handled = 0
+        self.stopping = False  # checked each read: see backoff.stop_tasks
+
+    async def handle(self, outbox: str, entries: Entries) -> None:
+        raise NotImplementedError
+
+    async def ensure_groups(self) -> None:
+        for b in range(BUCKETS):
+            try:
+                await self.redis.xgroup_create(self.keys.outbox(b), self.group, id="0", mkstream=True)
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    async def run(self) -> None:
+        """Consume until stopped or cancelled; after any failure, log it and go on."""
+        await keep_running(self.label, self._consume_forever, lambda: self.stopping)
+
+    async def _consume_forever(self, backoff: Backoff) -> None:
+        await self.ensure_groups()
+        if is_cluster(self.blocking):
+            await self._consume_buckets_forever()
+            return
+        streams: dict[Any, Any] = {self.keys.outbox(b): ">" for b in range(BUCKETS)}
+        next_reclaim = 0.0
+        loop = asyncio.get_running_loop()
+        while not self.stopping:
+            if loop.time() >= next_reclaim:
+                await self.reclaim()
+                next_reclaim = loop.time() + self.reclaim_idle_ms / 3000
+            batches: Any = await self.blocking.xreadgroup(
+                self.group, self.consumer, streams, count=500, block=1000
+            )
+            backoff.succeeded()
+            for outbox, entries in batches or []:
+                await self._handle(outbox, entries)
+
+    async def _consume_buckets_forever(self) -> None:
+        """Cluster: one blocking reader per bucket (each outbox is its own slot), and a reclaimer."""
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._reclaim_forever())
+            for b in range(BUCKETS):
+                group.create_task(self._consume_bucket_forever(b))
+
+    async def _consume_bucket_forever(self, b: int) -> None:
+        backoff = Backoff(f"{self.label}, bucket {b}")
+        streams: dict[Any, Any] = {self.keys.outbox(b): ">"}
+        while not self.stopping:
+            try:
+                batches: Any = await self.blocking.xreadgroup(
+                    self.group, self.consumer, streams, count=500, block=1000
+                )
+                for outbox, entries in batches or []:
+                    await self._handle(outbox, entries)
+            except RedisError as exc:
+                await backoff.failed(exc)
+                continue
+            backoff.succeeded()
+
+    async def _reclaim_forever(self) -> None:
+        backoff = Backoff(f"{self.label}, reclaim")
+        while not self.stopping:
+            try:
+                await self.reclaim()
+            except RedisError as exc:
+                await backoff.failed(exc)
+                continue
+            backoff.succeeded()
+            await asyncio.sleep(self.reclaim_idle_ms / 3000)
+
+    async def reclaim(self) -> None:
+        """Take over what a dead consumer of this group left unacknowledged for too long."""
+        for b in range(BUCKETS):
+            outbox = self.keys.outbox(b)
+            claimed = await self.redis.xautoclaim(
+                outbox, self.group, self.consumer, self.reclaim_idle_ms, "0-0", count=500
+            )
+            if claimed[1]:
+                await self._handle(outbox, claimed[1])
+
+    async def _handle(self, outbox: str, entries: Entries) -> None:
+        await self.handle(outbox, entries)
+        self.handled += len(entries)

@@ -1,0 +1,309 @@
+"""Pings to people, against recording receivers on 127.0.0.1 (ntfy-compatible, Web Push, relay):
+channels, working signed action links, replayed and forged links, and withdrawal when a question
+ends (answered, cancelled, expired)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import http_ece
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from standardwebhooks.webhooks import Webhook as Verifier
+
+from service.http.app import create_app
+from service.settings import Settings
+from tests.api import Api
+from tests.conftest import ADMIN_TOKEN, close_client, test_settings
+from tests.redis_server import RedisServer, free_port
+
+pytestmark = pytest.mark.redis
+ACTION_URL = re.compile(r"(http://127\.0\.0\.1:\d+/v1/actions/[A-Za-z0-9_.-]+)")
+
+
+def b64url(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+@dataclass
+class Hit:
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+
+@dataclass
+class Receivers:
+    """One aiohttp app standing in for an ntfy server, a push service and a relay."""
+
+    base: str = ""
+    hits: list[Hit] = field(default_factory=list)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def handle(self, request: web.Request) -> web.Response:
+        self.hits.append(Hit(request.path, dict(request.headers), await request.read()))
+        self.arrived.set()
+        return web.Response(status=201 if request.path.startswith("/push") else 200)
+
+    async def at(self, path: str, count: int, within: float = 15.0) -> list[Hit]:
+        async def reached() -> list[Hit]:
+            while True:
+                found = [h for h in self.hits if h.path == path]
+                if len(found) >= count:
+                    return found
+                self.arrived.clear()
+                await self.arrived.wait()
+
+        return await asyncio.wait_for(reached(), within)
+
+
+@pytest.fixture
+async def receivers() -> AsyncIterator[Receivers]:
+    rec = Receivers()
+    app = web.Application()
+    app.router.add_route("POST", "/{tail:.*}", rec.handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    rec.base = f"http://127.0.0.1:{port}"
+    yield rec
+    await runner.cleanup()
+
+
+@pytest.fixture
+async def service(redis_server: RedisServer) -> AsyncIterator[tuple[Api, Settings]]:
+    """The service on a fixed port, so its Pings can name their own action links."""
+    port = free_port()
+    settings = test_settings(
+        redis_server.url,
+        outbound_allow_nets="127.0.0.0/8",
+        webhook_retry_schedule="0.1,0.1",
+        webhook_timeout_seconds=1.0,
+        delivery_lease_seconds=3.0,
+        public_url=f"http://127.0.0.1:{port}",
+    )
+    client: TestClient[object, object] = TestClient(TestServer(create_app(settings), port=port))
+    await client.start_server()
+    yield Api(client, ADMIN_TOKEN), settings
+    await close_client(client)
+
+
+@dataclass
+class PushSubscriber:
+    """A browser's side of Web Push: its keys, to decrypt what the push service received."""
+
+    endpoint: str
+    private: ec.EllipticCurvePrivateKey = field(
+        default_factory=lambda: ec.generate_private_key(ec.SECP256R1())
+    )
+    auth: bytes = field(default_factory=lambda: os.urandom(16))
+
+    def subscription(self) -> dict[str, Any]:
+        public = self.private.public_key().public_bytes(
+            serialization.Encoding.X962, serialization.PublicFormat.UncompressedPoint
+        )
+        return {"endpoint": self.endpoint, "keys": {"p256dh": b64url(public), "auth": b64url(self.auth)}}
+
+    def open(self, hit: Hit) -> dict[str, Any]:
+        assert hit.headers["Content-Encoding"] == "aes128gcm"
+        plain = http_ece.decrypt(
+            hit.body, private_key=self.private, auth_secret=self.auth, version="aes128gcm"
+        )
+        result: dict[str, Any] = json.loads(plain)
+        return result
+
+
+async def put_channel(
+    api: Api, token: str, name: str, body: dict[str, Any], expect: int = 200
+) -> dict[str, Any]:
+    reply = await api.call("PUT", f"/v1/me/channels/{name}", token, body)
+    assert reply.status == expect, reply.body
+    result: dict[str, Any] = reply.body
+    return result
+
+
+async def post_action(api: Api, url: str) -> Any:
+    path = url.split("127.0.0.1", 1)[1].split("/", 1)[1]
+    return await api.call("POST", "/" + path)
+
+
+async def test_channels_are_registered_listed_without_secrets_and_deleted(
+    service: tuple[Api, Settings], receivers: Receivers
+) -> None:
+    api, _ = service
+    alice = await api.principal("alice", "user")
+    agent = await api.principal("deploybot", "agent")
+    ntfy = await put_channel(
+        api, alice, "phone", {"kind": "ntfy", "url": f"{receivers.base}/t", "token": "tk"}
+    )
+    assert ntfy == {"name": "phone", "kind": "ntfy", "url": f"{receivers.base}/t"}
+    relay = await put_channel(api, alice, "relay", {"kind": "webhook", "url": f"{receivers.base}/r"})
+    assert relay["secret"].startswith("whsec_")
+    listed = (await api.call("GET", "/v1/me/channels", alice)).body["channels"]
+    assert [c["name"] for c in listed] == ["phone", "relay"]
+    assert all(set(c) == {"name", "kind", "url"} for c in listed)
+    await put_channel(api, agent, "x", {"kind": "ntfy", "url": f"{receivers.base}/t"}, expect=403)
+    for bad in [
+        {"kind": "ntfy"},
+        {"kind": "webhook", "url": f"{receivers.base}/r", "token": "t"},
+        {"kind": "webpush", "url": f"{receivers.base}/p"},
+        {
+            "kind": "webpush",
+            "subscription": {"endpoint": f"{receivers.base}/p", "keys": {"p256dh": "!", "auth": "a"}},
+        },
+        {"kind": "sms", "url": f"{receivers.base}/p"},
+        {"kind": "ntfy", "url": "http://10.0.0.8/topic"},
+    ]:
+        await put_channel(api, alice, "bad", bad, expect=422)
+    await put_channel(api, alice, "Bad Name", {"kind": "ntfy", "url": f"{receivers.base}/t"}, expect=422)
+    assert (await api.call("DELETE", "/v1/me/channels/phone", alice)).status == 204
+    assert (await api.call("DELETE", "/v1/me/channels/phone", alice)).status == 404
+    names = [c["name"] for c in (await api.call("GET", "/v1/me/channels", alice)).body["channels"]]
+    assert names == ["relay"]
+
+
+async def test_a_ping_reaches_every_channel_with_working_buttons_and_is_withdrawn_when_answered(
+    service: tuple[Api, Settings], receivers: Receivers
+) -> None:
+    api, _ = service
+    alice = await api.principal("alice", "user")
+    agent = await api.principal("deploybot", "agent")
+    push = PushSubscriber(f"{receivers.base}/push/alice")
+    await put_channel(
+        api, alice, "phone", {"kind": "ntfy", "url": f"{receivers.base}/ntfy/alice", "token": "tk"}
+    )
+    await put_channel(api, alice, "browser", {"kind": "webpush", "subscription": push.subscription()})
+    relay = await put_channel(api, alice, "relay", {"kind": "webhook", "url": f"{receivers.base}/relay"})
+    question = await api.ask(agent, {"user": "alice"}, options=("deploy", "abort"))
+
+    [ntfy] = await receivers.at("/ntfy/alice", 1)
+    assert ntfy.headers["X-Sequence-ID"] == question["id"]
+    assert ntfy.headers["Authorization"] == "Bearer tk"
+    assert ntfy.body.decode() == "Proceed?"
+    deploy_url, abort_url = ACTION_URL.findall(ntfy.headers["Actions"])
+    assert "Deploy" in ntfy.headers["Actions"]
+    assert "method=POST" in ntfy.headers["Actions"]
+
+    [pushed] = await receivers.at("/push/alice", 1)
+    shown = push.open(pushed)
+    assert shown["tag"] == question["id"]
+    assert not shown["resolved"]
+    assert [a["action"] for a in shown["actions"]] == ["deploy", "abort"]
+    vapid_key = (await api.call("GET", "/v1/webpush/key", alice)).body["public_key"]
+    assert pushed.headers["Authorization"].startswith("vapid t=")
+    assert f"k={vapid_key}" in pushed.headers["Authorization"]
+
+    [relayed] = await receivers.at("/relay", 1)
+    event = Verifier(relay["secret"]).verify(relayed.body, relayed.headers)
+    assert event["type"] == "question.created"
+    assert event["data"]["question"]["id"] == question["id"]
+    assert [a["option"] for a in event["data"]["actions"]] == ["deploy", "abort"]
+
+    tapped = await post_action(api, deploy_url)
+    assert tapped.status == 200
+    assert tapped.body["applied"] is True
+    final = tapped.body["question"]
+    assert final["answer"]["responder"] == "alice"
+    assert final["answer"]["option"] == "deploy"
+    stale = await post_action(api, abort_url)
+    assert stale.status == 200
+    assert stale.body == {"applied": False, "question": final}
+
+    withdrawn = (await receivers.at("/ntfy/alice", 2))[1]
+    assert withdrawn.headers["X-Sequence-ID"] == question["id"]
+    assert "Actions" not in withdrawn.headers
+    assert withdrawn.headers["Title"] == "Answered: Deploy"
+    resolved = push.open((await receivers.at("/push/alice", 2))[1])
+    assert resolved["tag"] == question["id"]
+    assert resolved["resolved"]
+    assert resolved["actions"] == []
+    ended = Verifier(relay["secret"]).verify(
+        (await receivers.at("/relay", 2))[1].body, (await receivers.at("/relay", 2))[1].headers
+    )
+    assert ended["type"] == "question.resolved"
+    assert ended["data"]["question"] == final
+    assert "actions" not in ended["data"]
+
+
+async def test_replayed_and_forged_action_links_are_refused_and_change_nothing(
+    service: tuple[Api, Settings], receivers: Receivers
+) -> None:
+    api, _ = service
+    alice = await api.principal("alice", "user")
+    agent = await api.principal("deploybot", "agent")
+    await put_channel(api, alice, "phone", {"kind": "ntfy", "url": f"{receivers.base}/ntfy"})
+    first = await api.ask(agent, {"user": "alice"})
+    second = await api.ask(agent, {"user": "alice"})
+    hits = await receivers.at("/ntfy", 2)
+    links = {h.headers["X-Sequence-ID"]: ACTION_URL.findall(h.headers["Actions"]) for h in hits}
+    yes_first = links[first["id"]][0]
+
+    forged = yes_first[:-3] + ("AAA" if not yes_first.endswith("AAA") else "BBB")
+    refused = await post_action(api, forged)
+    assert refused.status == 403
+    assert refused.body["type"].endswith("invalid-action")
+    # A link signed for one question cannot be pointed at another.
+    _head, _, signature = links[second["id"]][0].rpartition(".")
+    swapped = links[first["id"]][0].rpartition(".")[0] + "." + signature
+    assert (await post_action(api, swapped)).status == 403
+    assert (await api.get(agent, first["id"])).body["state"] == "pending"
+
+    assert (await post_action(api, yes_first)).body["applied"] is True
+    replay = await post_action(api, yes_first)
+    assert replay.status == 409
+    assert replay.body["type"].endswith("action-used")
+    assert (await api.get(agent, second["id"])).body["state"] == "pending"
+
+
+@pytest.mark.parametrize("ending", ["cancel", "expire"])
+async def test_a_room_question_pings_every_member_and_is_withdrawn_when_it_ends(
+    service: tuple[Api, Settings], receivers: Receivers, ending: str
+) -> None:
+    api, _ = service
+    tokens = {user: await api.principal(user, "user") for user in ("bob", "carol")}
+    agent = await api.principal("deploybot", "agent")
+    await api.room("ops", ["bob", "carol"])
+    for user, token in tokens.items():
+        await put_channel(api, token, "phone", {"kind": "ntfy", "url": f"{receivers.base}/ntfy/{user}"})
+    question = await api.ask(agent, {"room": "ops"}, expires_in=2 if ending == "expire" else 60)
+    for user in tokens:
+        [ping] = await receivers.at(f"/ntfy/{user}", 1)
+        assert len(ACTION_URL.findall(ping.headers["Actions"])) == 2
+    if ending == "cancel":
+        assert (await api.cancel(agent, question["id"], "rolled back")).body["applied"] is True
+    for user in tokens:
+        withdrawn = (await receivers.at(f"/ntfy/{user}", 2, within=20))[1]
+        assert withdrawn.headers["X-Sequence-ID"] == question["id"]
+        assert "Actions" not in withdrawn.headers
+        expected = "Cancelled" if ending == "cancel" else "Expired"
+        assert withdrawn.headers["Title"] == expected
+        if ending == "cancel":
+            assert "rolled back" in withdrawn.body.decode()
+
+
+async def test_a_room_members_action_link_answers_as_that_member(
+    service: tuple[Api, Settings], receivers: Receivers
+) -> None:
+    api, _ = service
+    bob = await api.principal("bob", "user")
+    agent = await api.principal("deploybot", "agent")
+    await api.principal("carol", "user")
+    await api.room("ops", ["bob", "carol"])
+    await put_channel(api, bob, "phone", {"kind": "ntfy", "url": f"{receivers.base}/ntfy/bob"})
+    question = await api.ask(agent, {"room": "ops"})
+    [ping] = await receivers.at("/ntfy/bob", 1)
+    reply = await post_action(api, ACTION_URL.findall(ping.headers["Actions"])[1])
+    assert reply.body["applied"] is True
+    assert reply.body["question"]["answer"]["responder"] == "bob"
+    assert reply.body["question"]["id"] == question["id"]

@@ -1,0 +1,455 @@
+"""Outgoing webhooks against a real receiver on 127.0.0.1: registration, Standard Webhooks
+signatures, at-least-once delivery with retries, dead letters and replay, and the outbound guard."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient
+from standardwebhooks.webhooks import Webhook as Verifier
+
+from service.http.appkeys import REDIS
+from service.outbound import AddressRefused, GuardedResolver, OutboundPolicy, parse_nets
+from service.settings import Settings
+from tests.api import Api
+from tests.conftest import ADMIN_TOKEN, close_client, start_client, test_settings
+from tests.redis_server import RedisServer, free_port
+
+pytestmark = pytest.mark.redis
+FAST = {
+    "outbound_allow_nets": "127.0.0.0/8",
+    "webhook_retry_schedule": "0.1,0.1",
+    "webhook_timeout_seconds": 0.5,
+    "delivery_lease_seconds": 2.0,
+}
+
+
+@dataclass
+class Received:
+    headers: dict[str, str]
+    body: bytes
+
+
+@dataclass
+class Receiver:
+    """Records every request; `reply` decides each answer (default 200)."""
+
+    url: str = ""
+    requests: list[Received] = field(default_factory=list)
+    reply: Callable[[int], Awaitable[web.Response]] | None = None
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def handle(self, request: web.Request) -> web.Response:
+        self.requests.append(Received(dict(request.headers), await request.read()))
+        self.arrived.set()
+        if self.reply is not None:
+            return await self.reply(len(self.requests))
+        return web.Response(status=200)
+
+    async def count(self, n: int, within: float = 15.0) -> None:
+        async def reached() -> None:
+            while len(self.requests) < n:
+                self.arrived.clear()
+                await self.arrived.wait()
+
+        await asyncio.wait_for(reached(), within)
+
+
+@pytest.fixture
+async def receiver() -> AsyncIterator[Receiver]:
+    rec = Receiver()
+    app = web.Application()
+    app.router.add_post("/hook", rec.handle)
+    app.router.add_get("/elsewhere", rec.handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    rec.url = f"http://127.0.0.1:{port}/hook"
+    yield rec
+    await runner.cleanup()
+
+
+@pytest.fixture
+async def api_with(redis_server: RedisServer) -> AsyncIterator[Callable[..., Awaitable[Api]]]:
+    clients: list[TestClient[object, object]] = []
+
+    async def make(settings: Settings | None = None, **changes: Any) -> Api:
+        chosen = settings or test_settings(redis_server.url, **{**FAST, **changes})
+        client = await start_client(chosen)
+        clients.append(client)
+        return Api(client, ADMIN_TOKEN)
+
+    yield make
+    for client in clients:
+        await close_client(client)
+
+
+async def register(api: Api, token: str, url: str, events: list[str] | None = None) -> dict[str, Any]:
+    body = {"url": url, "events": events or ["question.answered"]}
+    reply = await api.call("POST", "/v1/webhooks", token, body)
+    assert reply.status == 201, reply.body
+    result: dict[str, Any] = reply.body
+    return result
+
+
+async def deliveries(api: Api, token: str, hook_id: str) -> list[dict[str, Any]]:
+    reply = await api.call("GET", f"/v1/webhooks/{hook_id}/deliveries", token)
+    assert reply.status == 200, reply.body
+    found: list[dict[str, Any]] = reply.body["deliveries"]
+    return found
+
+
+async def settled(api: Api, token: str, hook_id: str, status: str, within: float = 15.0) -> dict[str, Any]:
+    """Poll the deliveries route until the single delivery reaches `status`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while True:
+        found = await deliveries(api, token, hook_id)
+        if found and found[0]["status"] == status:
+            assert len(found) == 1, found
+            return found[0]
+        assert loop.time() < deadline, f"delivery never became {status}: {found}"
+        await asyncio.sleep(0.05)
+
+
+async def answered_question(api: Api, agent: str, user_id: str = "alice") -> dict[str, Any]:
+    user = await api.principal(user_id, "user")
+    question = await api.ask(agent, {"user": user_id})
+    reply = await api.answer(user, question["id"], "yes")
+    assert reply.body["applied"] is True
+    final: dict[str, Any] = reply.body["question"]
+    return final
+
+
+async def test_registration_shows_the_secret_once_lists_without_it_rotates_and_deletes(
+    api_with: Callable[..., Awaitable[Api]], receiver: Receiver
+) -> None:
+    api = await api_with()
+    agent = await api.principal("deploybot", "agent")
+    other = await api.principal("otherbot", "agent")
+    hook = await register(api, agent, receiver.url, ["question.answered", "question.created"])
+    assert hook["secret"].startswith("whsec_")
+    assert hook["id"].startswith("wh_")
+    assert hook["events"] == ["question.created", "question.answered"]
+    listed = (await api.call("GET", "/v1/webhooks", agent)).body["webhooks"]
+    assert [h["id"] for h in listed] == [hook["id"]]
+    assert "secret" not in listed[0]
+    assert (await api.call("GET", "/v1/webhooks", other)).body["webhooks"] == []
+    rotated = await api.call("POST", f"/v1/webhooks/{hook['id']}/rotate", agent)
+    assert rotated.status == 200
+    assert rotated.body["secret"] not in ("", hook["secret"])
+    for method, path in [
+        ("POST", f"/v1/webhooks/{hook['id']}/rotate"),
+        ("DELETE", f"/v1/webhooks/{hook['id']}"),
+        ("GET", f"/v1/webhooks/{hook['id']}/deliveries"),
+    ]:
+        assert (await api.call(method, path, other)).status == 404, (method, path)
+    assert (await api.call("DELETE", f"/v1/webhooks/{hook['id']}", agent)).status == 204
+    assert (await api.call("DELETE", f"/v1/webhooks/{hook['id']}", agent)).status == 404
+    assert (await api.call("GET", "/v1/webhooks", agent)).body["webhooks"] == []
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"url": "http://127.0.0.1:9/x", "events": ["question.answered"]},
+        {"url": "http://localhost/x", "events": ["question.answered"]},
+        {"url": "http://10.1.2.3/x", "events": ["question.answered"]},
+        {"url": "http://[::1]/x", "events": ["question.answered"]},
+        {"url": "http://169.254.169.254/latest/meta-data", "events": ["question.answered"]},
+        {"url": "ftp://example.com/x", "events": ["question.answered"]},
+        {"url": "https://user:pw@example.com/x", "events": ["question.answered"]},
+        {"url": "https://example.com/x", "events": ["question.deleted"]},
+        {"url": "https://example.com/x", "events": []},
+        {"url": "https://example.com/" + "x" * 2100, "events": ["question.answered"]},
+    ],
+)
+async def test_registration_refuses_bad_and_private_urls_by_default(
+    api_with: Callable[..., Awaitable[Api]], body: dict[str, Any]
+) -> None:
+    api = await api_with(outbound_allow_nets="")
+    agent = await api.principal("deploybot", "agent")
+    reply = await api.call("POST", "/v1/webhooks", agent, body)
+    assert reply.status == 422, reply.body
+    assert reply.headers["Content-Type"].startswith("application/problem+json")
+    assert (await api.call("GET", "/v1/webhooks", agent)).body["webhooks"] == []
+
+
+async def test_an_answer_is_delivered_once_signed_with_the_envelope_a_fetch_returns(
+    api_with: Callable[..., Awaitable[Api]], receiver: Receiver
+) -> None:
+    api = await api_with()
+    agent = await api.principal("deploybot", "agent")
+    hook = await register(api, agent, receiver.url, ["question.answered"])
+    final = await answered_question(api, agent)
+    delivery = await settled(api, agent, hook["id"], "delivered")
+    assert len(receiver.requests) == 1
+    sent = receiver.requests[0]
+    payload = Verifier(hook["secret"]).verify(sent.body, sent.headers)
+    assert payload["type"] == "question.answered"
+    assert payload["data"] == final == (await api.get(agent, final["id"])).body
+    assert sent.headers["webhook-id"] == delivery["id"]
+    assert delivery["attempts"] == 1
+    assert delivery["history"][0]["status"] == 200
+
+
+async def test_only_subscribed_event_types_are_delivered(
+    api_with: Callable[..., Awaitable[Api]], receiver: Receiver
+) -> None:
+    api = await api_with()
+    agent = await api.principal("deploybot", "agent")
+    expired_only = await register(api, agent, receiver.url, ["question.expired"])
+    created = await register(api, agent, receiver.url, ["question.created"])
+    await answered_question(api, agent)
+    await settled(api, agent, created["id"], "delivered")
+    assert [Verifier(created["secret"]).verify(r.body, r.headers)["type"] for r in receiver.requests] == [
+        "question.created"
+    ]
+    assert await deliveries(api, agent, expired_only["id"]) == []
+
+
+async def test_a_failing_receiver_gets_retries_with_the_same_webhook_id_until_it_succeeds(
+    api_with: Callable[..., Awaitable[Api]], receiver: Receiver
+) -> None:
+    async def fail_twice(n: int) -> web.Response:
+        return web.Response(status=500 if n <= 2 else 204)
+
+    receiver.reply = fail_twice
+    api = await api_with()
+    agent = await api.principal("deploybot", "agent")
+    hook = await register(api, agent, receiver.url)
+    await answered_question(api, agent)
+    delivery = await settled(api, agent, hook["id"], "delivered")
+    assert len({r.headers["webhook-id"] for r in receiver.requests}) == 1
+    assert len(receiver.requests) == 3
+    assert [a["status"] for a in delivery["history"]] == [500, 500, 204]
+    assert delivery["history"][0]["error"] == "HTTP 500"
+
+
+async def test_a_receiver_that_answers_too_late_is_retried(
+    api_with: Callable[..., Awaitable[Api]], receiver: Receiver
+) -> None:
+    async def slow_first(n: int) -> web.Response:
+        if n == 1:
+            await asyncio.sleep(2)
+        return web.Response(status=200)
+
+    receiver.reply = slow_first
+    api = await api_with()
+    agent = await api.principal("deploybot", "agent")
+    hook = await register(api, agent, receiver.url)
+    await answered_question(api, agent)
+    delivery = await settled(api, agent, hook["id"], "delivered")
+    assert delivery["attempts"] == 2
+    assert delivery["history"][0]["status"] is None
+    assert "no response within" in delivery["history"][0]["error"]
+
+
+async def test_redirects_are_not_followed(
+    api_with: Callable[..., Awaitable[Api]], receiver: Receiver
+) -> None:
+    async def redirect(n: int) -> web.Response:
+        return web.Response(status=302, headers={"Location": receiver.url.replace("/hook", "/elsewhere")})
+
+    receiver.reply = redirect
+    api = await api_with(webhook_retry_schedule="")
+    agent = await api.principal("deploybot", "agent")
+    hook = await register(api, agent, receiver.url)
+    await answered_question(api, agent)
+    delivery = await settled(api, agent, hook["id"], "dead")
+    assert delivery["history"][0]["status"] == 302
+    assert len(receiver.requests) == 1  # the redirect's target was never asked
+
+
+async def test_after_the_last_attempt_a_delivery_is_dead_lettered_and_an_admin_can_replay_it(
+    api_with: Callable[..., Awaitable[Api]], receiver: Receiver
+) -> None:
+    healthy = False
+
+    async def down_until_healthy(n: int) -> web.Response:
+        return web.Response(status=200 if healthy else 503)
+
+    receiver.reply = down_until_healthy
+    api = await api_with()
+    agent = await api.principal("deploybot", "agent")
+    hook = await register(api, agent, receiver.url)
+    await answered_question(api, agent)
+    dead = await settled(api, agent, hook["id"], "dead")
+    assert dead["attempts"] == 3
+    assert len(receiver.requests) == 3
+    assert (await api.call("GET", "/v1/admin/deadletters", agent)).status == 403
+    metrics = (await api.call("GET", "/metrics")).body.decode()
+    assert "qs_dead_letters 1.0" in metrics
+    assert 'qs_delivery_attempts_total{outcome="dead",target="webhook"} 1.0' in metrics
+    assert 'qs_delivery_attempts_total{outcome="retry",target="webhook"} 2.0' in metrics
+    letters = (await api.call("GET", "/v1/admin/deadletters", api.admin)).body["deliveries"]
+    assert [d["id"] for d in letters] == [dead["id"]]
+    healthy = True
+    replayed = await api.call("POST", f"/v1/admin/deadletters/{dead['id']}/replay", api.admin)
+    assert replayed.status == 200
+    assert replayed.body["delivery"]["status"] == "pending"
+    delivered = await settled(api, agent, hook["id"], "delivered")
+    assert delivered["id"] == dead["id"]
+    assert receiver.requests[-1].headers["webhook-id"] == dead["id"]
+    assert (await api.call("GET", "/v1/admin/deadletters", api.admin)).body["deliveries"] == []
+    again = await api.call("POST", f"/v1/admin/deadletters/{dead['id']}/replay", api.admin)
+    assert again.status == 404
+
+
+async def test_the_sender_refuses_private_addresses_unless_allow_listed(
+    api_with: Callable[..., Awaitable[Api]], redis_server: RedisServer, receiver: Receiver
+) -> None:
+    """Registered where loopback was allowed, sent by a process where it is not: refused at send
+    time (the check is on the address connected to), and the receiver never sees a request."""
+    permissive = test_settings(redis_server.url, **{**FAST, "run_delivery": False})
+    api = await api_with(permissive)
+    await api_with(permissive.replace(run_delivery=True, outbound_allow_nets="", webhook_retry_schedule=""))
+    agent = await api.principal("deploybot", "agent")
+    hook = await register(api, agent, receiver.url)
+    await answered_question(api, agent)
+    dead = await settled(api, agent, hook["id"], "dead")
+    assert dead["history"][0]["error"].startswith("refused")
+    assert receiver.requests == []
+
+
+@pytest.mark.parametrize(
+    ("address", "refused"),
+    [
+        ("127.0.0.1", True),
+        ("10.0.0.1", True),
+        ("172.16.5.4", True),
+        ("192.168.1.1", True),
+        ("169.254.169.254", True),
+        ("100.64.0.1", True),
+        ("0.0.0.0", True),
+        ("::1", True),
+        ("fe80::1", True),
+        ("fd00:ec2::254", True),
+        ("::ffff:127.0.0.1", True),
+        ("224.0.0.1", True),
+        ("8.8.8.8", False),
+        ("2001:4860:4860::8888", False),
+    ],
+)
+def test_outbound_policy_refuses_every_non_public_address(address: str, refused: bool) -> None:
+    assert OutboundPolicy().refuses(ipaddress.ip_address(address)) is refused
+
+
+def test_the_allow_list_opens_exactly_its_networks() -> None:
+    policy = OutboundPolicy(parse_nets("127.0.0.0/8, 10.1.0.0/16"))
+    assert not policy.refuses(ipaddress.ip_address("127.0.0.1"))
+    assert not policy.refuses(ipaddress.ip_address("10.1.200.3"))
+    assert policy.refuses(ipaddress.ip_address("10.2.0.1"))
+
+
+async def test_a_name_resolving_to_loopback_is_refused_by_the_resolver() -> None:
+    resolver = GuardedResolver(OutboundPolicy())
+    try:
+        with pytest.raises(AddressRefused):
+            await resolver.resolve("localhost", 80)
+    finally:
+        await resolver.close()
+
+
+async def test_a_sender_killed_between_send_and_record_leaves_the_delivery_to_another(
+    api_with: Callable[..., Awaitable[Api]], redis_server: RedisServer, receiver: Receiver
+) -> None:
+    """kill -9 of a worker while its POST is in flight: after the lease, another worker sends the
+    same delivery again (same webhook-id) and records it; nothing is lost."""
+    release = asyncio.Event()
+
+    async def hold_first(n: int) -> web.Response:
+        if n == 1:
+            await release.wait()
+        return web.Response(status=200)
+
+    receiver.reply = hold_first
+    settings = test_settings(redis_server.url, **{**FAST, "run_delivery": False})
+    api = await api_with(settings)
+    agent = await api.principal("deploybot", "agent")
+    hook = await register(api, agent, receiver.url)
+    env = {
+        **os.environ,
+        "QS_REDIS_URL": redis_server.url,
+        "QS_KEY_PREFIX": settings.key_prefix,
+        "QS_OUTBOUND_ALLOW_NETS": "127.0.0.0/8",
+        "QS_DELIVERY_LEASE_SECONDS": "2",
+        "QS_WEBHOOK_TIMEOUT_SECONDS": "1",
+        "QS_KEYSPACE_NOTIFICATIONS": "false",
+    }
+    first = await asyncio.create_subprocess_exec(sys.executable, "-m", "service", "worker", env=env)
+    second: asyncio.subprocess.Process | None = None
+    try:
+        await answered_question(api, agent)
+        await receiver.count(1)
+        first.send_signal(signal.SIGKILL)
+        await asyncio.wait_for(first.wait(), 10)
+        release.set()
+        assert (await deliveries(api, agent, hook["id"]))[0]["status"] == "pending"
+        second = await asyncio.create_subprocess_exec(sys.executable, "-m", "service", "worker", env=env)
+        delivery = await settled(api, agent, hook["id"], "delivered", within=30)
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.returncode is None:
+                proc.kill()
+                await asyncio.wait_for(proc.wait(), 10)
+    assert len(receiver.requests) == 2
+    assert {r.headers["webhook-id"] for r in receiver.requests} == {delivery["id"]}
+    assert delivery["attempts"] == 1  # the killed worker never recorded its attempt
+
+
+async def test_a_questions_own_webhook_url_gets_its_terminal_event_signed_with_its_secret(
+    api_with: Callable[..., Awaitable[Api]], receiver: Receiver
+) -> None:
+    api = await api_with()
+    agent = await api.principal("deploybot", "agent")
+    user = await api.principal("alice", "user")
+    body = {
+        "prompt": "Proceed?",
+        "options": [{"id": "yes", "label": "Yes"}, {"id": "no", "label": "No"}],
+        "to": {"user": "alice"},
+        "expires_in": 60,
+        "webhook_url": receiver.url,
+    }
+    created = await api.call("POST", "/v1/questions", agent, body, headers={"Idempotency-Key": "k1"})
+    assert created.status == 201
+    secret = created.headers["Webhook-Secret"]
+    assert secret.startswith("whsec_")
+    assert "webhook_url" not in created.body
+    assert "hook_secret" not in json.dumps(created.body)
+    replayed = await api.call("POST", "/v1/questions", agent, body, headers={"Idempotency-Key": "k1"})
+    assert replayed.status == 200
+    assert replayed.headers["Webhook-Secret"] == secret
+    final = (await api.answer(user, created.body["id"], "no")).body["question"]
+    await receiver.count(1)
+    payload = Verifier(secret).verify(receiver.requests[0].body, receiver.requests[0].headers)
+    assert payload["type"] == "question.answered"
+    assert payload["data"] == final
+    private = {**body, "webhook_url": "http://192.168.0.10/hook"}
+    refused = await api.call("POST", "/v1/questions", agent, private)
+    assert refused.status == 422
+
+
+async def test_deliveries_go_on_after_script_flush(
+    api_with: Callable[..., Awaitable[Api]], receiver: Receiver, redis_server: RedisServer
+) -> None:
+    """NOSCRIPT: the fan-out and the sender load their scripts again by themselves."""
+    api = await api_with()
+    agent = await api.principal("deploybot", "agent")
+    hook = await register(api, agent, receiver.url)
+    redis = api.client.server.app[REDIS]
+    await redis.script_flush()
+    await answered_question(api, agent)
+    delivery = await settled(api, agent, hook["id"], "delivered")
+    assert delivery["attempts"] == 1
