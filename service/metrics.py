@@ -1,0 +1,384 @@
+"""Prometheus metrics: one registry per application, cheap hooks on the hot path.
+
+Counters and histograms that the request path touches are bound to their labels once and cached,
+so a request costs a dict lookup and an increment. Figures that already live on the components
+(waiters, sweeper totals, SSE subscribers, relay counts) are read only when Prometheus scrapes,
+by a collector, so they cost nothing between scrapes. Figures about Redis as a whole (the oldest
+overdue deadline, the outbox backlog, pending questions) are read from Redis once per scrape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from service.errors import Unavailable
+from service.keys import Keys
+from service.scripts import ScriptMisuse
+from service.stats import deadline_backlog, delivery_backlog, outbox_backlog
+
+if TYPE_CHECKING:
+    from service.scripts import Reply
+
+# No `_created` sample per counter and histogram child: it doubles a scrape and nobody reads it.
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+log = logging.getLogger(__name__)
+
+# Long polls last up to QS_WAIT_MAX_SECONDS: the top buckets keep them apart from failures.
+HTTP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+REDIS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+WAKE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+METHODS = frozenset({"GET", "POST", "PUT", "DELETE", "HEAD", "OPTIONS", "PATCH"})
+UNMATCHED = "unmatched"  # the route label of a request no route matched (never the raw path)
+
+# (script, reply code) -> (kind, result) of qs_transitions_total. Codes not listed (a read that
+# finds a question pending or already terminal) are not transitions and are not counted.
+KIND = {"create": "created", "answer": "answered", "cancel": "cancelled", "expire": "expired"}
+RESULT = {
+    "created": "applied",
+    "applied": "applied",
+    "replayed": "replayed",
+    "stale": "stale",
+    "not_found": "not_found",
+    "not_eligible": "not_eligible",
+    "unknown_option": "refused",
+    "not_asker": "refused",
+    "idempotency_conflict": "refused",
+    "bad_deadline": "refused",
+}
+TRANSITION_RESULTS = ("applied", "stale", "replayed", "refused", "not_found", "not_eligible")
+MECHANISMS = ("inline", "notification", "sweep")
+ERROR_KINDS = ("connection", "timeout", "refused", "misuse", "other")
+
+
+class _Waiters(Protocol):
+    @property
+    def waiting(self) -> int: ...
+    @property
+    def channels(self) -> int: ...
+
+    reconnects: int
+    resubscriptions: int
+
+
+class _Hub(Protocol):
+    @property
+    def connections(self) -> int: ...
+
+
+class _SweepTotals(Protocol):
+    expired: int
+    purged: int
+    passes: int
+
+
+class _Sweeper(Protocol):
+    @property
+    def totals(self) -> _SweepTotals: ...
+
+    failures: int
+
+
+class _Listener(Protocol):
+    expired: int
+
+
+class _Relay(Protocol):
+    @property
+    def relayed(self) -> int: ...
+
+
+class _Coalescer(Protocol):
+    replication_unconfirmed: int
+
+
+class _Sender(Protocol):
+    @property
+    def attempts(self) -> Mapping[tuple[str, str], int]: ...
+
+
+class Metrics:
+    """Every metric of one process (one application), in its own registry."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.http_requests = Counter(
+            "qs_http_requests", "HTTP requests by route template, method and status.",
+            ["route", "method", "status"], registry=r,
+        )  # fmt: skip
+        self.http_duration = Histogram(
+            "qs_http_request_duration_seconds", "HTTP request duration (long polls included).",
+            ["route", "method"], buckets=HTTP_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.transitions = Counter(
+            "qs_transitions", "Script outcomes: kind created|answered|cancelled|expired, result "
+            "applied|stale|replayed|refused|not_found|not_eligible.", ["kind", "result"], registry=r,
+        )  # fmt: skip
+        self.wake_latency = Histogram(
+            "qs_wake_latency_seconds", "From a question's resolved_at (Redis TIME; for an expiry "
+            "the deadline) to the moment its waiter can answer.", buckets=WAKE_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.redis_duration = Histogram(
+            "qs_redis_call_duration_seconds", "Duration of one script call, queueing and "
+            "coalescing included.", ["script"], buckets=REDIS_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.redis_errors = Counter(
+            "qs_redis_errors", "Script calls that failed in Redis, by kind "
+            "connection|timeout|refused|misuse|other.", ["script", "kind"], registry=r,
+        )  # fmt: skip
+        self.oldest_overdue = Gauge(
+            "qs_oldest_overdue_pending_seconds", "Redis TIME minus the oldest deadline still in "
+            "the deadline index that has passed (0 when none); read at scrape.", registry=r,
+        )  # fmt: skip
+        self.outbox_backlog = Gauge(
+            "qs_outbox_backlog", "Outbox entries the event relay's group has not acknowledged "
+            "(lag + pending, all buckets); read at scrape.", registry=r,
+        )  # fmt: skip
+        self.pending = Gauge(
+            "qs_pending_questions", "Questions in the deadline index (pending); read at scrape.",
+            registry=r,
+        )  # fmt: skip
+        self.deliveries_due = Gauge(
+            "qs_deliveries_due", "Webhook and Ping deliveries waiting for an attempt (all buckets); "
+            "read at scrape.", registry=r,
+        )  # fmt: skip
+        self.dead_letters = Gauge(
+            "qs_dead_letters", "Deliveries that failed their last attempt and wait for a replay; "
+            "read at scrape.", registry=r,
+        )  # fmt: skip
+        self.scrape_ok = Gauge(
+            "qs_redis_scrape_ok", "1 when the last scrape could read its figures from Redis.",
+            registry=r,
+        )  # fmt: skip
+        self.inline_expired = 0  # expiries noticed by a read, answer or cancel (see script_done)
+        self.waiters: _Waiters | None = None
+        self.hub: _Hub | None = None
+        self.sweeper: _Sweeper | None = None
+        self.listener: _Listener | None = None
+        self.relay: _Relay | None = None
+        self.sender: _Sender | None = None
+        self.coalescer: _Coalescer | None = None
+        self._http: dict[tuple[str, str, int], tuple[Any, Any]] = {}
+        self._scripts: dict[str, Any] = {}
+        self._outcomes: dict[tuple[str, str], Any] = {}
+        self._prebind()
+        r.register(_LiveCollector(self))
+
+    def _prebind(self) -> None:
+        """Every known label combination exists from the start, at 0, so rates and alerts work
+        before the first event (a series that appears later hides its first increment)."""
+        for kind in KIND.values():
+            for result in TRANSITION_RESULTS:
+                self._outcomes[(kind, result)] = self.transitions.labels(kind, result)
+        for script in (*KIND, "purge"):
+            self._scripts[script] = self.redis_duration.labels(script)
+            for error in ERROR_KINDS:
+                self.redis_errors.labels(script, error)
+
+    # -- HTTP -----------------------------------------------------------------------------------
+
+    def http_done(self, route: str, method: str, status: int, seconds: float) -> None:
+        key = (route, method, status)
+        children = self._http.get(key)
+        if children is None:
+            if method not in METHODS:
+                key = (route, "other", status)
+                method = "other"
+            children = self._http[key] = (
+                self.http_requests.labels(route, method, str(status)),
+                self.http_duration.labels(route, method),
+            )
+        children[0].inc()
+        children[1].observe(seconds)
+
+    # -- scripts --------------------------------------------------------------------------------
+
+    def script_done(self, name: str, args: Mapping[str, str | int], reply: Reply, seconds: float) -> None:
+        timer = self._scripts.get(name)
+        if timer is None:
+            timer = self._scripts[name] = self.redis_duration.labels(name)
+        timer.observe(seconds)
+        kind = KIND.get(name)
+        if kind is None:
+            return
+        code = reply.code.value
+        if name == "expire":
+            if code == "applied":
+                self._outcomes[(kind, "applied")].inc()
+                if args.get("want fields") == "1":  # a read (fetch, list, wait) expired it
+                    self.inline_expired += 1
+            elif code == "stale" and args.get("want fields") == "0":
+                self._outcomes[(kind, "stale")].inc()  # a sweeper or listener came second
+            return
+        # A late answer or cancel that expires the question itself is counted as its stale
+        # result only: its reply cannot be told from a later stale tap's (both carry tcall
+        # 'inline'). The Redis-side stats hash counts that expiry (`question-service stats`).
+        self._outcomes[(kind, RESULT[code])].inc()
+
+    def script_failed(self, name: str, exc: BaseException) -> None:
+        self.redis_errors.labels(name, error_kind(exc)).inc()
+
+    # -- waiters --------------------------------------------------------------------------------
+
+    def woke(self, resolved_ms: str | None) -> None:
+        """A waiter is about to answer with a terminal question resolved at `resolved_ms`."""
+        if resolved_ms:
+            self.wake_latency.observe(max(0.0, time.time() - int(resolved_ms) / 1000))
+
+    # -- scrape ---------------------------------------------------------------------------------
+
+    async def refresh_from_redis(self, redis: Redis, keys: Keys, timeout: float) -> None:
+        """Read the Redis-wide figures once per scrape. A failure is counted and logged, and the
+        scrape still serves every other figure (with qs_redis_scrape_ok 0)."""
+        try:
+            async with asyncio.timeout(timeout):
+                backlog = await deadline_backlog(redis, keys)
+                outbox = await outbox_backlog(redis, keys)
+                delivery = await delivery_backlog(redis, keys)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.scrape_ok.set(0)
+            self.redis_errors.labels("scrape", error_kind(exc)).inc()
+            log.warning("metrics: cannot read the Redis figures (%s: %s)", type(exc).__name__, exc)
+            return
+        self.pending.set(backlog.pending)
+        self.oldest_overdue.set(backlog.oldest_overdue_seconds)
+        self.outbox_backlog.set(sum(b.backlog for b in outbox))
+        self.deliveries_due.set(delivery.due)
+        self.dead_letters.set(delivery.dead)
+        self.scrape_ok.set(1)
+
+    def render(self, accept: str) -> tuple[bytes, str]:
+        """The registry in the format `accept` asks for (Prometheus text unless OpenMetrics)."""
+        encoder, content_type = choose_encoder(accept)
+        return encoder(self.registry), content_type
+
+
+def error_kind(exc: BaseException) -> str:
+    if isinstance(exc, RedisTimeoutError | TimeoutError):
+        return "timeout"
+    if isinstance(exc, RedisConnectionError | OSError):
+        return "connection"
+    if isinstance(exc, Unavailable):
+        return "refused"
+    if isinstance(exc, ScriptMisuse):
+        return "misuse"
+    return "other"
+
+
+class _LiveCollector(Collector):
+    """Figures the components keep anyway, read at scrape time."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.m = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.m
+        yield _gauge("qs_asyncio_tasks", "Tasks of the event loop (len(asyncio.all_tasks())).", _tasks())
+        waiters = m.waiters
+        yield _gauge("qs_waiters", "Long-poll waiter registrations now.", waiters.waiting if waiters else 0)
+        yield _gauge(
+            "qs_waiter_channels", "Pub/sub channels subscribed for waiters now.",
+            waiters.channels if waiters else 0,
+        )  # fmt: skip
+        yield _counter(
+            "qs_pubsub_reconnects", "Reconnects of the waiters' pub/sub connection.",
+            waiters.reconnects if waiters else 0,
+        )  # fmt: skip
+        yield _counter(
+            "qs_pubsub_resubscriptions", "Channels re-subscribed after a reconnect (each re-read).",
+            waiters.resubscriptions if waiters else 0,
+        )  # fmt: skip
+        yield _gauge("qs_sse_streams", "Open Server-Sent-Events streams.", m.hub.connections if m.hub else 0)
+        sweeper = m.sweeper
+        yield _counter("qs_sweeper_runs", "Completed sweep passes.", sweeper.totals.passes if sweeper else 0)
+        yield _counter(
+            "qs_sweeper_failures", "Sweep passes that failed (Redis errors); retried with backoff.",
+            sweeper.failures if sweeper else 0,
+        )  # fmt: skip
+        yield _counter(
+            "qs_purged", "Terminal questions removed after retention.",
+            sweeper.totals.purged if sweeper else 0,
+        )  # fmt: skip
+        expired = CounterMetricFamily(
+            "qs_expired", "Questions expired, by what noticed the deadline first.", labels=["mechanism"]
+        )
+        expired.add_metric(["inline"], m.inline_expired)
+        expired.add_metric(["notification"], m.listener.expired if m.listener else 0)
+        expired.add_metric(["sweep"], sweeper.totals.expired if sweeper else 0)
+        yield expired
+        attempts = CounterMetricFamily(
+            "qs_delivery_attempts", "Webhook and Ping delivery attempts by target (webhook|ping) and "
+            "outcome (delivered|retry|dead).", labels=["target", "outcome"],
+        )  # fmt: skip
+        for target in ("webhook", "ping"):
+            for outcome in ("delivered", "retry", "dead"):
+                attempts.add_metric(
+                    [target, outcome], m.sender.attempts.get((target, outcome), 0) if m.sender else 0
+                )
+        yield attempts
+        yield _counter(
+            "qs_events_relayed", "Outbox entries relayed to per-principal event streams.",
+            m.relay.relayed if m.relay else 0,
+        )  # fmt: skip
+        yield _counter(
+            "qs_replication_unconfirmed", "WAITs after answer/cancel (QS_WAIT_REPLICAS) that fewer "
+            "replicas confirmed in time, per node and batch.",
+            m.coalescer.replication_unconfirmed if m.coalescer else 0,
+        )  # fmt: skip
+
+
+def _tasks() -> int:
+    try:
+        return len(asyncio.all_tasks())
+    except RuntimeError:  # collected outside the event loop: no loop, no tasks
+        return 0
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+Render = Callable[[str], Awaitable[tuple[bytes, str]]]
+
+
+async def start_metrics_site(render: Render, host: str, port: int) -> web.AppRunner | None:
+    """A second, tiny site in the process: GET /metrics on `port` (QS_METRICS_PORT). Used by
+    `serve` beside its main port and by `worker` and `sweep`, which have no other HTTP."""
+
+    async def metrics_only(request: web.Request) -> web.Response:
+        body, content_type = await render(request.headers.get("Accept", ""))
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    site_app = web.Application()
+    site_app.router.add_get("/metrics", metrics_only)
+    runner = web.AppRunner(site_app, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as exc:
+        # The process must not fail for its metrics.
+        log.warning("cannot serve /metrics on port %d (%s)", port, exc)
+        await runner.cleanup()
+        return None
+    log.info("metrics on http://%s:%d/metrics", host, port)
+    return runner
