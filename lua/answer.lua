@@ -21,6 +21,7 @@
     ARGV[5] responder rooms  '|room|room|': the rooms the responder belongs to, read just before
     ARGV[6] retention        ms a terminal question stays readable
     ARGV[7] outbox maxlen    approximate cap
+    ARGV[8] publish          'PUBLISH', or 'SPUBLISH' on a Redis Cluster (sharded pub/sub)
 
   Output:
     {'applied', fields}      this call answered the question (also on a re-run of this call)
@@ -31,13 +32,15 @@
                              eligibility, before the state, so a bad option is never 'stale')
 
   Events (only when a transition happens):
-    PUBLISH KEYS[5] <cjson fields>
+    PUBLISH (or SPUBLISH) KEYS[5] <cjson fields>
     XADD KEYS[6] type=question.answered|question.expired id=<id> question=<cjson fields>
     HINCRBY KEYS[7] answered|expired 1; HINCRBY KEYS[7] stale 1 once per stale call id (SADD KEYS[8] remembers it)
 ]]
 --@include "now_ms"
 --@include "finish"
 --@include "refuse_late_tap"
+--@include "publish_command"
+local publish = publish_command(ARGV[8])
 local now = now_ms()
 local q = redis.call('HMGET', KEYS[1], 'state', 'to_kind', 'to_id', 'opt_ids', 'expires_ms', 'tcall')
 if not q[1] then
@@ -51,9 +54,9 @@ end
 if not string.find(q[4], '|' .. ARGV[3] .. '|', 1, true) then
   return {'unknown_option'}
 end
-local refusal = refuse_late_tap(ARGV[1], q[1], tonumber(q[5]), q[6], ARGV[4], now, ARGV[6], ARGV[7])
+local refusal = refuse_late_tap(ARGV[1], q[1], tonumber(q[5]), q[6], ARGV[4], now, ARGV[6], ARGV[7], publish)
 if refusal then
   return refusal
 end
 return {'applied', finish(ARGV[1], 'answered', now,
-  {'ans_option', ARGV[3], 'ans_by', ARGV[2], 'ans_ms', now}, ARGV[4], ARGV[6], ARGV[7])}
+  {'ans_option', ARGV[3], 'ans_by', ARGV[2], 'ans_ms', now}, ARGV[4], ARGV[6], ARGV[7], publish)}

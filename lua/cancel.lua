@@ -21,6 +21,7 @@
     ARGV[5] call id          unique per service call, reused by client retries
     ARGV[6] retention        ms
     ARGV[7] outbox maxlen    approximate cap
+    ARGV[8] publish          'PUBLISH', or 'SPUBLISH' on a Redis Cluster (sharded pub/sub)
 
   Output:
     {'applied', fields}      this call cancelled the question (also on a re-run of this call)
@@ -29,13 +30,15 @@
     {'not_asker', fields}    the canceller is neither the asker nor allowed to cancel any
 
   Events (only when a transition happens):
-    PUBLISH KEYS[5] <cjson fields>
+    PUBLISH (or SPUBLISH) KEYS[5] <cjson fields>
     XADD KEYS[6] type=question.cancelled|question.expired id=<id> question=<cjson fields>
     HINCRBY KEYS[7] cancelled|expired 1; HINCRBY KEYS[7] stale 1 once per stale call id (SADD KEYS[8] remembers it)
 ]]
 --@include "now_ms"
 --@include "finish"
 --@include "refuse_late_tap"
+--@include "publish_command"
+local publish = publish_command(ARGV[8])
 local now = now_ms()
 local q = redis.call('HMGET', KEYS[1], 'state', 'expires_ms', 'tcall', 'asker')
 if not q[1] then
@@ -44,9 +47,9 @@ end
 if q[4] ~= ARGV[2] and ARGV[3] ~= '1' then
   return {'not_asker', redis.call('HGETALL', KEYS[1])}
 end
-local refusal = refuse_late_tap(ARGV[1], q[1], tonumber(q[2]), q[3], ARGV[5], now, ARGV[6], ARGV[7])
+local refusal = refuse_late_tap(ARGV[1], q[1], tonumber(q[2]), q[3], ARGV[5], now, ARGV[6], ARGV[7], publish)
 if refusal then
   return refusal
 end
 return {'applied', finish(ARGV[1], 'cancelled', now,
-  {'cancel_by', ARGV[2], 'cancel_reason', ARGV[4]}, ARGV[5], ARGV[6], ARGV[7])}
+  {'cancel_by', ARGV[2], 'cancel_reason', ARGV[4]}, ARGV[5], ARGV[6], ARGV[7], publish)}

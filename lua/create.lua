@@ -30,6 +30,8 @@
     ARGV[14] idempotency ttl    ms
     ARGV[15] index ttl          ms; refreshed on each index write
     ARGV[16] outbox maxlen      approximate cap (XADD MAXLEN ~)
+    ARGV[17] webhook url        the question's own webhook URL, or '' for none
+    ARGV[18] webhook secret     whsec_ secret that signs deliveries to ARGV[17], or ''
 
   Output:
     {'created', fields}             the new question (HGETALL), also on a re-run of this call
@@ -76,6 +78,9 @@ redis.call('HSET', KEYS[1],
   'id', ARGV[1], 'state', 'pending', 'asker', ARGV[3], 'to_kind', ARGV[4], 'to_id', ARGV[5],
   'prompt', ARGV[6], 'options', ARGV[7], 'opt_ids', ARGV[8], 'meta', ARGV[9],
   'created_ms', now, 'expires_ms', expires, 'version', 1, 'ccall', ARGV[2])
+if ARGV[17] ~= '' then
+  redis.call('HSET', KEYS[1], 'hook_url', ARGV[17], 'hook_secret', ARGV[18])
+end
 redis.call('SET', KEYS[2], ARGV[1], 'PXAT', expires)
 redis.call('ZADD', KEYS[3], expires, ARGV[1])
 local member = string.format('%013d:%s', now, ARGV[1])

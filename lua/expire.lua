@@ -20,6 +20,7 @@
     ARGV[3] retention        ms
     ARGV[4] outbox maxlen    approximate cap
     ARGV[5] want fields      '1': return the fields; '0': return the code alone (sweeper)
+    ARGV[6] publish          'PUBLISH', or 'SPUBLISH' on a Redis Cluster (sharded pub/sub)
 
   Output:
     {'applied', fields?}     this call expired the question (also on a re-run of this call)
@@ -28,13 +29,15 @@
     {'not_found'}            no such question (never created, or removed after retention)
 
   Events (only when a transition happens):
-    PUBLISH KEYS[5] <cjson fields>
+    PUBLISH (or SPUBLISH) KEYS[5] <cjson fields>
     XADD KEYS[6] type=question.expired id=<id> question=<cjson fields>
     HINCRBY KEYS[7] expired 1
 ]]
 --@include "now_ms"
 --@include "settled"
 --@include "expire_overdue"
+--@include "publish_command"
+local publish = publish_command(ARGV[6])
 local now = now_ms()
 local q = redis.call('HMGET', KEYS[1], 'state', 'expires_ms', 'tcall')
 if not q[1] then
@@ -44,7 +47,7 @@ local reply
 if q[1] ~= 'pending' then
   reply = settled(q[3], ARGV[2])
 elseif now >= tonumber(q[2]) then
-  reply = {'applied', expire_overdue(ARGV[1], tonumber(q[2]), ARGV[2], ARGV[3], ARGV[4])}
+  reply = {'applied', expire_overdue(ARGV[1], tonumber(q[2]), ARGV[2], ARGV[3], ARGV[4], publish)}
 else
   reply = {'pending', redis.call('HGETALL', KEYS[1])}
 end

@@ -7,6 +7,11 @@ appends each event to the stream of every principal it concerns, and only then a
 so a relay that dies mid-way leaves the event pending for another to reclaim: at-least-once.
 Each SSE connection resumes from its Last-Event-ID; one hub per process reads every connected
 principal's stream with a single blocking XREAD, so connections cost no Redis connection each.
+
+On a Redis Cluster a multi-key read cannot span slots, and every outbox and every principal's
+stream has a slot of its own: the relay runs one blocking XREADGROUP per bucket, and the hub
+reads the streams without BLOCK, one XREAD per slot in one pipeline (split by node), pausing
+`block_ms` when nothing came.
 """
 
 from __future__ import annotations
@@ -14,20 +19,19 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-import secrets
-import socket
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
-from service.backoff import Backoff, keep_running, stop_tasks
-from service.keys import BUCKETS, Keys
+from service.backoff import Backoff, stop_tasks
+from service.keys import Keys
 from service.model import envelope, to_json
+from service.outbox import Entries, OutboxConsumer
+from service.redis_client import as_cluster, is_cluster
 from service.scripts import pairs_to_fields
 
 log = logging.getLogger(__name__)
@@ -48,8 +52,11 @@ class Event:
     data: str  # the envelope as JSON, the same bytes a fetch returns
 
 
-class EventRelay:
+class EventRelay(OutboxConsumer):
     """Outbox -> per-principal streams. Any number may run at once (one consumer group)."""
+
+    group = GROUP
+    label = "event relay"
 
     def __init__(
         self,
@@ -60,53 +67,16 @@ class EventRelay:
         ttl_seconds: int,
         blocking: Redis | None = None,
     ) -> None:
-        self.redis = redis
-        self.blocking = blocking or redis
-        self.keys = keys
+        super().__init__(redis, keys, blocking=blocking)
         self.maxlen = maxlen
         self.ttl_seconds = ttl_seconds
-        self.consumer = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-        self.reclaim_idle_ms = RECLAIM_IDLE_MS
-        self.relayed = 0
-        self.stopping = False  # checked each read: see backoff.stop_tasks
 
-    async def ensure_groups(self) -> None:
-        for b in range(BUCKETS):
-            try:
-                await self.redis.xgroup_create(self.keys.outbox(b), GROUP, id="0", mkstream=True)
-            except ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
+    @property
+    def relayed(self) -> int:
+        return self.handled
 
-    async def run(self) -> None:
-        """Relay until stopped or cancelled; after any failure, log it and go on."""
-        await keep_running("event relay", self._relay_forever, lambda: self.stopping)
-
-    async def _relay_forever(self, backoff: Backoff) -> None:
-        await self.ensure_groups()
-        streams: dict[Any, Any] = {self.keys.outbox(b): ">" for b in range(BUCKETS)}
-        next_reclaim = 0.0
-        loop = asyncio.get_running_loop()
-        while not self.stopping:
-            if loop.time() >= next_reclaim:
-                await self.reclaim()
-                next_reclaim = loop.time() + self.reclaim_idle_ms / 3000
-            batches: Any = await self.blocking.xreadgroup(
-                GROUP, self.consumer, streams, count=500, block=1000
-            )
-            backoff.succeeded()
-            for outbox, entries in batches or []:
-                await self.relay(outbox, entries)
-
-    async def reclaim(self) -> None:
-        """Take over what a dead relay left unacknowledged for too long."""
-        for b in range(BUCKETS):
-            outbox = self.keys.outbox(b)
-            claimed = await self.redis.xautoclaim(
-                outbox, GROUP, self.consumer, self.reclaim_idle_ms, "0-0", count=500
-            )
-            if claimed[1]:
-                await self.relay(outbox, claimed[1])
+    async def handle(self, outbox: str, entries: Entries) -> None:
+        await self.relay(outbox, entries)
 
     async def relay(self, outbox: str, entries: Sequence[tuple[str, dict[str, str]]]) -> None:
         recipients_of: dict[str, list[str]] = {}
@@ -128,7 +98,6 @@ class EventRelay:
                     pipe.expire(stream, self.ttl_seconds)
             pipe.xack(outbox, GROUP, *(entry_id for entry_id, _ in entries))
             await pipe.execute()
-        self.relayed += len(entries)
 
     async def _recipients(
         self, kind: str, question: dict[str, str], rooms: dict[str, list[str]]
@@ -213,7 +182,7 @@ class EventHub:
                 for stream, group in self._subscribers.items()
             }
             try:
-                found: Any = await self.blocking.xread(positions, count=500, block=self.block_ms)
+                found: Any = await self._read(positions)
             except asyncio.CancelledError:
                 raise
             except RedisError as exc:
@@ -222,6 +191,26 @@ class EventHub:
             backoff.succeeded()
             for stream, entries in found or []:
                 self._dispatch(str(stream), entries)
+
+    async def _read(self, positions: dict[Any, Any]) -> Any:
+        if not is_cluster(self.redis):
+            return await self.blocking.xread(positions, count=500, block=self.block_ms)
+        cluster = as_cluster(self.redis)
+        by_slot: dict[int, dict[Any, Any]] = defaultdict(dict)
+        for stream, position in positions.items():
+            by_slot[cluster.keyslot(stream)][stream] = position
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for group in by_slot.values():
+                # Naming the node spares redis-py a COMMAND GETKEYS round trip per XREAD.
+                pipe.execute_command(
+                    "XREAD", "COUNT", 500, "STREAMS", *group, *group.values(),
+                    target_nodes=cluster.get_node_from_key(next(iter(group))),
+                )  # fmt: skip
+            replies = await pipe.execute()
+        found = [stream for reply in replies for stream in (reply or [])]
+        if not found:
+            await asyncio.sleep(self.block_ms / 1000)  # a poll: BLOCK cannot span slots
+        return found
 
     def _dispatch(self, stream: str, entries: Sequence[tuple[str, dict[str, Any]]]) -> None:
         for subscriber in list(self._subscribers.get(stream, ())):
