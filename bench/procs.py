@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -154,7 +154,17 @@ class RedisProc(Proc):
 class ServiceProc(Proc):
     """`python -m service serve` on a free port against the bench's Redis."""
 
-    def __init__(self, workdir: Path, redis_url: str, name: str = "service", **settings: str) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        redis_url: str,
+        name: str = "service",
+        *,
+        command_prefix: Sequence[str] = (),
+        **settings: str,
+    ) -> None:
+        """`command_prefix`: run the service under another program that execs it (e.g. `env
+        LD_PRELOAD=... FAKETIME=+1h`); not one that forks, as stop() signals this pid only."""
         self.port = free_port()
         env = dict(os.environ)
         env.update(
@@ -175,7 +185,7 @@ class ServiceProc(Proc):
             if sep and name.startswith("QS_"):
                 env[name] = value
         env.update({f"QS_{k.upper()}": v for k, v in settings.items()})
-        super().__init__(name, [sys.executable, "-m", "service", "serve"], env, workdir)
+        super().__init__(name, [*command_prefix, sys.executable, "-m", "service", "serve"], env, workdir)
 
     @property
     def url(self) -> str:
