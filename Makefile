@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint pytest chaos bench clean
+.PHONY: run test lint pytest chaos soak bench clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python >= 3.11 is required (found " + sys.version.split()[0] + ")")'
@@ -31,6 +31,12 @@ pytest: $(STAMP)
 ## chaos: issue 4's evidence: the model-based test and the fault-injection suite (under 15 min; also run by .ci/run)
 chaos: $(STAMP)
 	$(BIN)/pytest tests/chaos $(PYTEST_ARGS)
+
+## soak: a bounded soak of one service and its own Redis (SOAK_SECONDS, default 600; SOAK_RATE ops/s, default 200); not in CI
+SOAK_SECONDS ?= 600
+SOAK_RATE ?= 200
+soak: $(STAMP)
+	$(BIN)/python -m bench.soak --seconds $(SOAK_SECONDS) --rate $(SOAK_RATE)
 
 ## bench: issue 3's benchmarks in one run (about 5 min): one table, and docs/benchmarks.md
 bench: $(STAMP)

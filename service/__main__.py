@@ -9,9 +9,13 @@ import logging
 import sys
 from collections.abc import Coroutine, Sequence
 from dataclasses import fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from service import cli_client
 from service.settings import Settings, SettingsError, env_name
+
+if TYPE_CHECKING:
+    from service.auth import Directory
 
 log = logging.getLogger("service")
 
@@ -36,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "worker", parents=[flags], help="run the background jobs without HTTP (any number at once)"
     )
+    stats = sub.add_parser("stats", parents=[flags], help="print the Redis-side figures and checks")
+    stats.add_argument("--json", action="store_true", help="machine-readable output")
     admin = sub.add_parser("admin", help="manage principals, tokens and rooms in Redis")
     actions = admin.add_subparsers(dest="action", required=True)
     p = actions.add_parser("create-principal", parents=[flags], help="create a principal + token")
@@ -58,7 +64,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("user")
     p = actions.add_parser("show-room", parents=[flags], help="print a room's members")
     p.add_argument("room")
+    p = actions.add_parser(
+        "sign-in-link", parents=[flags], help="issue a user a token and print the web inbox link"
+    )
+    p.add_argument("id")
+    p.add_argument("--base-url", default=None, help="the service as users reach it (QS_PUBLIC_URL)")
+    p.add_argument("--expires-in", type=int, default=SIGN_IN_LINK_SECONDS, help="seconds (30 days)")
+    cli_client.add_commands(sub)  # ask, wait, get, list, answer, cancel, mcp: HTTP clients
     return parser
+
+
+SIGN_IN_LINK_SECONDS = 30 * 86400
 
 
 def load_settings(args: argparse.Namespace) -> Settings:
@@ -86,7 +102,7 @@ def serve(settings: Settings) -> None:
         reuse_port=settings.reuse_port,
         # A client that gives up on a long poll must release its waiter at once, not at timeout.
         handler_cancellation=True,
-        access_log=logging.getLogger("aiohttp.access") if settings.access_log else None,
+        access_log=None,  # QS_ACCESS_LOG lines come from service.logs' middleware (structured)
         print=lambda _: log.info("serving on http://%s:%d", settings.host, settings.port),
     )
 
@@ -101,9 +117,12 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 
 async def background(settings: Settings, *, once: bool = False, sweeper_only: bool = False) -> None:
-    """The sweeper, and unless `sweeper_only`, the keyspace listener and the event relay."""
+    """The sweeper, and unless `sweeper_only`, the keyspace listener, the event relay and the
+    webhook fan-out and sender; /metrics on QS_METRICS_PORT when it is set."""
+    from service.delivery import DeliveryWorkers
     from service.events import EventRelay
     from service.keys import Keys
+    from service.metrics import Metrics
     from service.redis_client import connect, connect_blocking
     from service.scripts import Scripts
     from service.store import QuestionStore
@@ -112,29 +131,61 @@ async def background(settings: Settings, *, once: bool = False, sweeper_only: bo
     redis = connect(settings)
     scripts = Scripts(redis, shebang=not settings.in_memory)
     keys = Keys(settings.key_prefix)
+    metrics = scripts.metrics = Metrics()
+    workers: DeliveryWorkers | None = None
     try:
         store = QuestionStore(redis, scripts, settings)
-        sweeper = Sweeper(store, settings.sweep_interval_seconds)
+        sweeper = metrics.sweeper = Sweeper(store, settings.sweep_interval_seconds)
         if once:
             totals = await sweeper.sweep_once()
             print(json.dumps({"expired": totals.expired, "purged": totals.purged}))
             return
         jobs = [sweeper.run()]
         if not sweeper_only and settings.keyspace_notifications and not settings.in_memory:
-            jobs.append(KeyspaceListener(redis, store, keys).run())
+            listener = metrics.listener = KeyspaceListener(redis, store, keys)
+            jobs.append(listener.run())
         if not sweeper_only:
-            relay = EventRelay(
+            blocking = connect_blocking(settings, redis)
+            relay = metrics.relay = EventRelay(
                 redis,
                 keys,
                 maxlen=settings.events_maxlen,
                 ttl_seconds=settings.retention_seconds,
-                blocking=connect_blocking(settings, redis),
+                blocking=blocking,
             )
-            jobs.append(relay.run())
-        await asyncio.gather(*jobs)
+            workers = DeliveryWorkers(redis, scripts, settings, blocking=connect_blocking(settings, redis))
+            metrics.sender = workers.sender
+            jobs += [relay.run(), workers.fanout.run(), workers.sender.run()]
+        await run_with_metrics(jobs, metrics, redis, settings)
     finally:
+        if workers is not None:
+            await workers.sender.aclose()
         await scripts.aclose()
         await redis.aclose()
+
+
+async def run_with_metrics(
+    jobs: list[Coroutine[Any, Any, None]], metrics: Any, redis: Any, settings: Settings
+) -> None:
+    """Run the jobs; serve their /metrics on QS_METRICS_PORT meanwhile, when it is set."""
+    from service.keys import Keys
+    from service.metrics import start_metrics_site
+
+    runner = None
+    if settings.metrics_port:
+        keys = Keys(settings.key_prefix)
+
+        async def render(accept: str) -> tuple[bytes, str]:
+            await metrics.refresh_from_redis(redis, keys, settings.redis_timeout_seconds)
+            result: tuple[bytes, str] = metrics.render(accept)
+            return result
+
+        runner = await start_metrics_site(render, settings.host, settings.metrics_port)
+    try:
+        await asyncio.gather(*jobs)
+    finally:
+        if runner is not None:
+            await runner.cleanup()
 
 
 async def admin(settings: Settings, args: argparse.Namespace) -> Any:
@@ -164,6 +215,8 @@ async def admin(settings: Settings, args: argparse.Namespace) -> Any:
             if not await directory.revoke_token(args.ref):
                 raise NotFound(f"no token {args.ref!r}")
             return {"revoked": args.ref}
+        if args.action == "sign-in-link":
+            return await sign_in_link(directory, settings, args)
         if args.action == "set-room":
             return {
                 "room": args.room,
@@ -178,18 +231,36 @@ async def admin(settings: Settings, args: argparse.Namespace) -> Any:
         await redis.aclose()
 
 
+async def sign_in_link(directory: Directory, settings: Settings, args: argparse.Namespace) -> str:
+    """`<base>/#token=<new token>`: the fragment never reaches a server; the page stores it."""
+    from urllib.parse import quote
+
+    from service.errors import Invalid
+    from service.model import Kind
+
+    principal = await directory.require_principal(args.id)
+    if principal.kind is not Kind.USER:
+        raise Invalid(f"{args.id!r} is an {principal.kind.value}; sign-in links are for users")
+    issued = await directory.issue_token(args.id, args.expires_in)
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
+    base = (args.base_url or settings.public_url or f"http://{host}:{settings.port}").rstrip("/")
+    return f"{base}/#token={quote(issued.token, safe='')}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from service.errors import ServiceError
 
     args = build_parser().parse_args(argv)
+    if args.command in cli_client.COMMANDS:
+        return cli_client.run(args)
     try:
         settings = load_settings(args)
     except SettingsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    from service.logs import configure_logging
+
+    configure_logging(settings)
     if args.command == "serve":
         serve(settings)
         return 0
@@ -198,6 +269,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         job = background(settings, once=args.once, sweeper_only=True)
     elif args.command == "worker":
         job = background(settings)
+    elif args.command == "stats":
+        from service.stats import run as stats
+
+        job = stats(settings, as_json=args.json)
     else:
         job = admin(settings, args)
     try:
@@ -207,7 +282,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
-    if result is not None:
+    if isinstance(result, str):
+        print(result)  # a sign-in link, printed bare so it can be opened or copied as is
+    elif result is not None:
         print(json.dumps(result, indent=2))
     return 0
 

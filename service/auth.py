@@ -64,7 +64,9 @@ class Directory:
         key = self.keys.principal(principal.id)
 
         async def create(pipe: Pipeline) -> None:
-            if await pipe.exists(key):
+            # EXISTS by name: redis-py 8.1's cluster pipeline splits exists() by slot and queues
+            # it instead of running it at once under WATCH (it always looked true).
+            if await pipe.execute_command("EXISTS", key):
                 raise Conflict(f"principal {principal.id!r} already exists")
             pipe.multi()  # type: ignore[no-untyped-call]
             pipe.hset(

@@ -49,6 +49,7 @@ class Ask(Strict):
     expires_in: Annotated[int, Meta(ge=1, le=MAX_EXPIRES_IN)] | None = None
     expires_at: str | None = None
     metadata: dict[str, Any] | None = None
+    webhook_url: Annotated[str, Meta(min_length=1, max_length=2048)] | None = None
 
 
 class Answer(Strict):
@@ -77,6 +78,44 @@ class NewToken(Strict):
 
 class RoomMembers(Strict):
     members: Annotated[list[Identifier], Meta(max_length=10_000)]
+
+
+WebhookEvent = Literal["question.created", "question.answered", "question.expired", "question.cancelled"]
+
+
+class NewWebhook(Strict):
+    url: Annotated[str, Meta(min_length=1, max_length=2048)]
+    events: Annotated[list[WebhookEvent], Meta(min_length=1, max_length=4)]
+
+
+class PushKeys(Strict):
+    p256dh: Annotated[str, Meta(min_length=1, max_length=200)]
+    auth: Annotated[str, Meta(min_length=1, max_length=100)]
+
+
+class PushSubscription(Strict):
+    """A browser's PushSubscription.toJSON()."""
+
+    endpoint: Annotated[str, Meta(min_length=1, max_length=2048)]
+    keys: PushKeys
+    expirationTime: int | None = None  # the browser's own field name
+
+
+class NewChannel(Strict):
+    kind: Literal["webpush", "ntfy", "webhook"]
+    url: Annotated[str, Meta(min_length=1, max_length=2048)] | None = None
+    token: Annotated[str, Meta(min_length=1, max_length=500)] | None = None
+    subscription: PushSubscription | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind == "webpush" and (self.subscription is None or self.url or self.token):
+            raise ValueError("a webpush channel takes `subscription` only")
+        if self.kind != "webpush" and (self.url is None or self.subscription is not None):
+            raise ValueError(
+                f"a {self.kind} channel takes `url`" + (" (and `token`)" if self.kind == "ntfy" else "")
+            )
+        if self.kind == "webhook" and self.token:
+            raise ValueError("a webhook channel takes no `token`; it is signed instead")
 
 
 T = TypeVar("T", bound=Strict)

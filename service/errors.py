@@ -49,9 +49,21 @@ class TooLarge(ServiceError):
     slug, title = "body-too-large", "The request body is too large"
 
 
+class BodyTimeout(ServiceError):
+    slug, title = "body-timeout", "The request body did not arrive in time"
+
+
 class UnsupportedMediaType(ServiceError):
     slug, title = "unsupported-media-type", "Send application/json or application/msgpack"
 
 
 class Unavailable(ServiceError):
     slug, title = "unavailable", "The service's store is unreachable; retry shortly"
+
+
+class InvalidAction(ServiceError):
+    slug, title = "invalid-action", "The action link is not valid"
+
+
+class ActionUsed(ServiceError):
+    slug, title = "action-used", "This action link was already used"

@@ -126,3 +126,31 @@ class Keys:
 
     def user_rooms(self, user: str) -> str:
         return f"{self.directory}:user:{user}:rooms"
+
+    # Outgoing webhooks: endpoints live with the directory; deliveries live in the bucket of the
+    # question they carry, beside the outbox entry they came from.
+    def webhook(self, webhook_id: str) -> str:
+        return f"{self.directory}:webhook:{webhook_id}"
+
+    def webhooks_of(self, owner: str) -> str:
+        return f"{self.directory}:principal:{owner}:webhooks"
+
+    def delivery(self, b: int, delivery_id: str) -> str:
+        return f"{self.bucket(b)}:delivery:{delivery_id}"
+
+    def deliveries_due(self, b: int) -> str:
+        return f"{self.bucket(b)}:deliveries:due"
+
+    def webhook_deliveries(self, b: int, webhook_id: str) -> str:
+        return f"{self.bucket(b)}:webhook:{webhook_id}:deliveries"
+
+    def dead_letters(self, b: int) -> str:
+        return f"{self.bucket(b)}:deadletters"
+
+    def pinged(self, question_id: str) -> str:
+        """The channels that got a question's Ping, to withdraw it from when it ends."""
+        return f"{self.bucket(bucket_of(question_id))}:pinged:{question_id}"
+
+    def action_used(self, question_id: str, digest: str) -> str:
+        """Marks one action link as used, so a replay is refused."""
+        return f"{self.bucket(bucket_of(question_id))}:action:{digest}"

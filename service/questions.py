@@ -24,6 +24,7 @@ from service.model import (
 from service.scripts import Code, Reply
 from service.store import BadCursor, NewQuestion, Page, QuestionStore
 from service.waiters import Waiters
+from service.webhooks import new_secret
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +62,8 @@ class QuestionService:
             expires_in_ms=(body.expires_in or 0) * 1000,
             expires_at_ms=deadline_ms(body),
             digest=request_digest(body),
+            webhook_url=body.webhook_url or "",
+            webhook_secret=new_secret() if body.webhook_url else "",
         )
         reply = await self.store.create(new, idempotency_key)
         if reply.code is Code.CREATED:
@@ -293,6 +296,8 @@ def request_digest(body: Ask) -> str:
             "expires_in": body.expires_in,
             "expires_at": body.expires_at,
             "metadata": body.metadata,
+            # Only when given, so digests of requests without one stay what they were.
+            **({"webhook_url": body.webhook_url} if body.webhook_url is not None else {}),
         }
     )
     return hashlib.sha256(canonical.encode()).hexdigest()

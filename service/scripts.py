@@ -12,18 +12,30 @@ import enum
 import hashlib
 import importlib.resources
 import re
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from redis.asyncio import Redis
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
-from service.coalesce import Coalescer
+from service.coalesce import Coalescer, Durability
 from service.errors import Unavailable
+from service.redis_client import is_cluster
 
-SCRIPT_NAMES = ("create", "answer", "cancel", "expire", "purge")
+if TYPE_CHECKING:
+    from service.metrics import Metrics
+
+SCRIPT_NAMES = (
+    "create", "answer", "cancel", "expire", "purge",
+    "deliver_enqueue", "deliver_claim", "deliver_settle", "deliver_replay",
+)  # fmt: skip
+# The transitions that a QS_WAIT_REPLICAS confirmation follows.
+CONFIRMED_SCRIPTS = frozenset({"answer", "cancel"})
+# The argument that names the publish command; LuaScript.args fills it in when left out.
+PUBLISH_ARG = "publish"
 _INCLUDE = re.compile(r'^--@include "([a-z_]+)"\s*$')
 _HEADER_NAME = re.compile(r"^\s*(KEYS|ARGV)\[(\d+)\]\s+(.+?)(?:\s{2,}|$)")
 SHEBANG = "#!lua"
@@ -151,12 +163,21 @@ class LuaScript:
             raise KeyError(f"{self.name}.lua misses a key: {self.key_names[ordered.index(None)]}")
         return [k for k in ordered if k is not None]
 
-    def args(self, named: Mapping[str, str | int]) -> list[str | int]:
+    def args(self, named: Mapping[str, str | int], publish: str = "PUBLISH") -> list[str | int]:
+        """Arguments in header order. A script that publishes takes a `publish` argument; the
+        caller may leave it out and `publish` fills it in (see Scripts)."""
         if len(named) == len(self.arg_names):
             try:
                 return [named[n] for n in self.arg_names]
             except KeyError:
                 pass
+        if len(named) + 1 == len(self.arg_names) and PUBLISH_ARG not in named:
+            try:  # the hot path of the transitions: everything but `publish` given
+                return [publish if n == PUBLISH_ARG else named[n] for n in self.arg_names]
+            except KeyError:
+                pass
+        if PUBLISH_ARG in self.arg_names and PUBLISH_ARG not in named:
+            named = {**named, PUBLISH_ARG: publish}
         if set(named) != set(self.arg_names):
             missing = set(self.arg_names) - set(named)
             extra = set(named) - set(self.arg_names)
@@ -175,35 +196,71 @@ def refusal(name: str, exc: ResponseError) -> Exception:
 
 
 class Scripts:
-    """Every script called by SHA through one coalescer; NOSCRIPT reloads it by itself."""
+    """Every script called by SHA through one coalescer; NOSCRIPT reloads it by itself.
 
-    def __init__(self, redis: Redis, *, shebang: bool = True) -> None:
+    On a Redis Cluster the transitions publish with SPUBLISH (sharded pub/sub, slot-checked
+    like the keys), on one Redis with PUBLISH: the `publish` argument is filled in by
+    LuaScript.args, so callers never name it. With `durability`, answer and cancel are followed by a WAIT."""
+
+    def __init__(self, redis: Redis, *, shebang: bool = True, durability: Durability | None = None) -> None:
         self.redis = redis
         self.lua = {name: LuaScript.load(name, shebang=shebang) for name in SCRIPT_NAMES}
-        self.coalescer = Coalescer(redis)
+        self.cluster = is_cluster(redis)
+        self.publish = "SPUBLISH" if self.cluster else "PUBLISH"
+        self.coalescer = Coalescer(redis, durability=durability)
+        self._confirmed = CONFIRMED_SCRIPTS if durability is not None and durability.replicas else frozenset()
+        self.metrics: Metrics | None = None  # set by the app: outcomes, durations, errors
 
     def _submit(
         self, name: str, keys: Mapping[str, str], args: Mapping[str, str | int]
     ) -> asyncio.Future[Any]:
         script = self.lua[name]
-        return self.coalescer.evalsha(script.sha, script.source, script.keys(keys), script.args(args))
+        return self.coalescer.evalsha(
+            script.sha,
+            script.source,
+            script.keys(keys),
+            script.args(args, self.publish),
+            confirm=name in self._confirmed,
+        )
 
     async def call(self, name: str, keys: Mapping[str, str], args: Mapping[str, str | int]) -> Reply:
+        started = time.perf_counter()
         try:
-            return interpret(await self._submit(name, keys, args))
+            reply = interpret(await self._submit(name, keys, args))
         except ResponseError as exc:
-            raise refusal(name, exc) from exc
+            raise self._failed(name, refusal(name, exc)) from exc
+        except (RedisError, OSError) as exc:
+            self._failed(name, exc)
+            raise
+        if self.metrics is not None:
+            self.metrics.script_done(name, args, reply, time.perf_counter() - started)
+        return reply
 
     async def call_many(
         self, name: str, calls: Sequence[tuple[Mapping[str, str], Mapping[str, str | int]]]
     ) -> list[Reply]:
         """Many calls of one script; issued together, they share one pipeline. Gathering the
         futures themselves (not a coroutine per call) spares a task per call on sweeps."""
+        started = time.perf_counter()
         futures = [self._submit(name, keys, args) for keys, args in calls]
         try:
-            return [interpret(raw) for raw in await asyncio.gather(*futures)]
+            replies = [interpret(raw) for raw in await asyncio.gather(*futures)]
         except ResponseError as exc:
-            raise refusal(name, exc) from exc
+            raise self._failed(name, refusal(name, exc)) from exc
+        except (RedisError, OSError) as exc:
+            self._failed(name, exc)
+            raise
+        if self.metrics is not None:
+            elapsed = time.perf_counter() - started
+            for (_, args), reply in zip(calls, replies, strict=True):
+                self.metrics.script_done(name, args, reply, elapsed)
+        return replies
+
+    def _failed(self, name: str, exc: Exception) -> Exception:
+        """Count a failed call for /metrics; returns `exc` for the caller to raise."""
+        if self.metrics is not None:
+            self.metrics.script_failed(name, exc)
+        return exc
 
     def shas(self) -> list[str]:
         return [s.sha for s in self.lua.values()]

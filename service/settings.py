@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 MEMORY_URL = "memory://"
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 
 
 class SettingsError(ValueError):
@@ -23,7 +25,11 @@ def _doc(text: str) -> dict[str, str]:
 class Settings:
     redis_url: str = field(
         default="redis://127.0.0.1:6379/0",
-        metadata=_doc("Redis to use. `memory://` runs an in-process fakeredis that keeps nothing."),
+        metadata=_doc(
+            "Redis to use. `redis+cluster://host:port[,host:port]` uses a Redis Cluster (any "
+            "reachable node; docs/scaling.md). `memory://` runs an in-process fakeredis that keeps "
+            "nothing."
+        ),
     )
     host: str = field(default="127.0.0.1", metadata=_doc("Address the HTTP server binds."))
     port: int = field(default=8080, metadata=_doc("Port the HTTP server binds."))
@@ -62,6 +68,10 @@ class Settings:
     max_body_bytes: int = field(
         default=64 * 1024, metadata=_doc("Largest request body accepted (413 above it).")
     )
+    body_timeout_seconds: float = field(
+        default=10.0,
+        metadata=_doc("Longest wait for a request body to arrive in full (408 after it)."),
+    )
     redis_timeout_seconds: float = field(default=5.0, metadata=_doc("Socket timeout of each Redis call."))
     redis_max_connections: int = field(
         default=64,
@@ -83,9 +93,72 @@ class Settings:
     sse_heartbeat_seconds: float = field(
         default=15.0, metadata=_doc("Idle time after which an event stream sends a comment line.")
     )
+    wait_replicas: int = field(
+        default=0,
+        metadata=_doc(
+            "After an answer or cancel, `WAIT` for this many replicas to confirm the write "
+            "(0: off). An unconfirmed one is logged and counted, never an error."
+        ),
+    )
+    wait_timeout_ms: int = field(
+        default=100, metadata=_doc("Longest `WAIT` for `QS_WAIT_REPLICAS`, in milliseconds.")
+    )
+    run_delivery: bool = field(
+        default=True,
+        metadata=_doc("Run the webhook fan-out and sender inside `serve` (`worker` always runs them)."),
+    )
+    outbound_allow_nets: str = field(
+        default="",
+        metadata=_doc(
+            "Comma-separated CIDRs that webhooks may reach although they are loopback, private, "
+            "link-local or reserved (refused by default)."
+        ),
+    )
+    webhook_timeout_seconds: float = field(
+        default=10.0, metadata=_doc("A webhook attempt without a 2xx within this time is retried.")
+    )
+    webhook_retry_schedule: str = field(
+        default="5,30,120,600,1800,3600,10800,21600",
+        metadata=_doc(
+            "Seconds before each retry of a failed webhook (±20% jitter); after the last, the "
+            "delivery is dead-lettered."
+        ),
+    )
+    delivery_lease_seconds: float = field(
+        default=30.0,
+        metadata=_doc("How long a claimed delivery is hidden from other senders (resent after)."),
+    )
+    public_url: str = field(
+        default="",
+        metadata=_doc(
+            "The service's address as people's devices reach it, for action buttons and inbox "
+            "links in Pings (e.g. `https://questions.example.com`). Empty: `http://QS_HOST:QS_PORT`."
+        ),
+    )
+    vapid_subject: str = field(
+        default="mailto:operator@localhost",
+        metadata=_doc("VAPID `sub` claim of Web Push requests: a `mailto:` or `https:` contact."),
+    )
     log_level: str = field(default="INFO", metadata=_doc("Python logging level."))
     access_log: bool = field(
         default=False, metadata=_doc("Log one line per HTTP request (costs throughput).")
+    )
+    log_format: str = field(
+        default="json", metadata=_doc("`json` (one object per line) or `text` (for a terminal).")
+    )
+    metrics_port: int = field(
+        default=0,
+        metadata=_doc(
+            "Also serve `/metrics` on this port (same host); the only place `worker` and `sweep` "
+            "serve theirs. 0: only on the main port."
+        ),
+    )
+    ready_requires_safe_redis: bool = field(
+        default=False,
+        metadata=_doc(
+            "`/readyz` answers 503 while a Redis setting can lose questions (eviction policy, "
+            "no persistence). Off: it answers 200 and lists the warnings."
+        ),
     )
 
     @classmethod
@@ -116,6 +189,8 @@ class Settings:
             raise SettingsError("QS_PORT must be a TCP port")
         if self.max_body_bytes < 1024:
             raise SettingsError("QS_MAX_BODY_BYTES must be at least 1024")
+        if self.body_timeout_seconds <= 0:
+            raise SettingsError("QS_BODY_TIMEOUT_SECONDS must be positive")
         if any(c in self.key_prefix for c in "{}: ") or not self.key_prefix:
             raise SettingsError("QS_KEY_PREFIX must be non-empty and free of braces, colons, spaces")
         if self.redis_max_connections < 4:
@@ -126,10 +201,42 @@ class Settings:
             raise SettingsError("QS_EVENTS_MAXLEN must be >= 100 and the SSE heartbeat positive")
         if self.outbox_maxlen < 1000:
             raise SettingsError("QS_OUTBOX_MAXLEN must be at least 1000")
+        self.validate_delivery()
+        if self.wait_replicas < 0 or self.wait_timeout_ms < 1:
+            raise SettingsError("QS_WAIT_REPLICAS must be >= 0 and QS_WAIT_TIMEOUT_MS >= 1")
+        if self.log_format not in ("json", "text"):
+            raise SettingsError("QS_LOG_FORMAT must be json or text")
+        if not 0 <= self.metrics_port <= 65535 or self.metrics_port == self.port:
+            raise SettingsError("QS_METRICS_PORT must be 0 or a TCP port other than QS_PORT")
+
+    def validate_delivery(self) -> None:
+        try:
+            for net in self.outbound_allow_nets.split(","):
+                if net.strip():
+                    ipaddress.ip_network(net.strip(), strict=False)
+            schedule = [float(n) for n in self.webhook_retry_schedule.split(",") if n.strip()]
+        except ValueError as exc:
+            raise SettingsError(f"QS_OUTBOUND_ALLOW_NETS or QS_WEBHOOK_RETRY_SCHEDULE: {exc}") from exc
+        if any(delay < 0 for delay in schedule) or len(schedule) > 50:
+            raise SettingsError("QS_WEBHOOK_RETRY_SCHEDULE: at most 50 non-negative delays")
+        if not self.vapid_subject.startswith(("mailto:", "https:")):
+            raise SettingsError("QS_VAPID_SUBJECT must start with mailto: or https:")
+        if self.public_url and not self.public_url.startswith(("http://", "https://")):
+            raise SettingsError("QS_PUBLIC_URL must be an http:// or https:// URL")
+        if not 0 < self.webhook_timeout_seconds < self.delivery_lease_seconds:
+            raise SettingsError("QS_WEBHOOK_TIMEOUT_SECONDS must be > 0 and < QS_DELIVERY_LEASE_SECONDS")
+
+    @property
+    def base_url(self) -> str:
+        return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")
 
     @property
     def in_memory(self) -> bool:
         return self.redis_url.startswith(MEMORY_URL)
+
+    @property
+    def cluster(self) -> bool:
+        return self.redis_url.partition("://")[0] in CLUSTER_SCHEMES
 
 
 def env_name(field_name: str) -> str:

@@ -46,6 +46,8 @@ class NewQuestion:
     expires_in_ms: int  # 0 when expires_at_ms is used
     expires_at_ms: int  # 0 when expires_in_ms is used
     digest: str  # of the request, for Idempotency-Key replays
+    webhook_url: str = ""  # the question's own webhook, signed with webhook_secret
+    webhook_secret: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +136,8 @@ class QuestionStore:
             "idempotency ttl": self.idempotency_ttl_ms,
             "index ttl": self.index_ttl_ms,
             "outbox maxlen": self.outbox_maxlen,
+            "webhook url": new.webhook_url,
+            "webhook secret": new.webhook_secret,
         }
         return await self.scripts.call("create", keys, args)
 

@@ -5,6 +5,12 @@ one leaves. A waiter reads the question only after Redis confirmed the subscript
 terminal envelope published in between cannot be missed. Every message is a hint; the hash is
 the truth: when redis-py reconnects and resubscribes by itself, the unexpected confirmations
 make us re-read every waited question, so a publish lost during the outage strands nobody.
+
+On a Redis Cluster the channels are sharded (SSUBSCRIBE; the scripts SPUBLISH): redis-py's
+ClusterPubSub keeps one connection per primary that owns a waited-on channel, and after a
+failover or slot migration it moves each channel to its new owner. Both the resubscription after
+a reconnect and that move confirm a subscription nobody asked for, which triggers the same
+re-read.
 """
 
 from __future__ import annotations
@@ -15,19 +21,44 @@ import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import ClusterPubSub
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from service.backoff import Backoff, stop_tasks
 from service.model import Question
+from service.redis_client import as_cluster, retry_failover
 from service.scripts import Fields, pairs_to_fields
 from service.store import QuestionStore
 
+if TYPE_CHECKING:
+    from service.metrics import Metrics
+
 log = logging.getLogger(__name__)
 RECONNECT_DELAY = 0.2
+# On a cluster, messages are read from each primary's connection in turn, waiting this long on
+# each: the most a message waits behind the others' reads.
+SHARDED_POLL_SECONDS = 0.02
+# Sharded pub/sub kinds, named like the plain ones for _dispatch.
+_PLAIN_KIND = {"smessage": "message", "ssubscribe": "subscribe", "sunsubscribe": "unsubscribe"}
+
+
+async def _parked(
+    futures: Sequence[asyncio.Future[Fields]], deadline: float, when: str
+) -> set[asyncio.Future[Fields]]:
+    """The futures done by `deadline` (loop time), waiting as `when` says. The deadline is kept
+    here too, not only by the surrounding asyncio.timeout: that cancels the task once, and on
+    Python 3.11 an asyncio.wait_for inside redis-py (a SUBSCRIBE's send) swallows the cancel
+    when it lands as the send completes, which would park the waiter until the question ends."""
+    remaining = deadline - asyncio.get_running_loop().time()
+    if remaining <= 0:
+        return {f for f in futures if f.done()}
+    done, _ = await asyncio.wait(futures, timeout=remaining, return_when=when)
+    return done
 
 
 @dataclass(slots=True)
@@ -41,12 +72,18 @@ class _Channel:
 class Waiters:
     def __init__(self, redis: Redis, store: QuestionStore) -> None:
         self._pubsub = redis.pubsub()
+        # On a cluster client, pubsub() is a ClusterPubSub: the waiters use its sharded side.
+        self._sharded = self._pubsub if isinstance(self._pubsub, ClusterPubSub) else None
+        self._cluster = as_cluster(redis) if self._sharded is not None else None
+        self._poll_index = 0
         self._store = store
         self._channels: dict[str, _Channel] = {}
         self._connected = asyncio.Event()
         self._background: set[asyncio.Task[Any]] = set()
         self._reader: asyncio.Task[None] | None = None
         self.resubscriptions = 0
+        self.reconnects = 0  # of the plain pub/sub connection (a connect callback counts them)
+        self.metrics: Metrics | None = None  # set by the app: wake latency
         self._stopping = False
         # redis-py's PubSub.connect() is not safe to race: concurrent first subscribes would each
         # take a pool connection, and messages on all but the last one would never be read.
@@ -70,21 +107,28 @@ class Waiters:
 
     async def wait(self, question_id: str, timeout: float) -> Question | None:
         """The question once terminal, or None when `timeout` passes first (or it vanished)."""
+        deadline = asyncio.get_running_loop().time() + timeout
         try:
-            async with asyncio.timeout(timeout), self._watching([question_id]) as futures:
+            async with asyncio.timeout_at(deadline), self._watching([question_id]) as futures:
                 question = await self._store.read(question_id)
                 if question is None or question.state.terminal:
                     return question
                 del question  # parked: hold nothing but the future
-                return Question(await futures[question_id])
+                if not await _parked([futures[question_id]], deadline, asyncio.FIRST_COMPLETED):
+                    return None
+                fields = futures[question_id].result()
+                if self.metrics is not None:
+                    self.metrics.woke(fields.get("resolved_ms"))
+                return Question(fields)
         except TimeoutError:
             return None
 
     async def wait_many(self, question_ids: Sequence[str], timeout: float, *, every: bool) -> None:
         """Return when any (every=False) or every (every=True) one of the questions is terminal
         or gone, or when `timeout` passes. The caller reads the outcome: the hash is the truth."""
+        deadline = asyncio.get_running_loop().time() + timeout
         try:
-            async with asyncio.timeout(timeout), self._watching(question_ids) as futures:
+            async with asyncio.timeout_at(deadline), self._watching(question_ids) as futures:
                 questions = await self._store.read_many(question_ids)
                 open_ids = [
                     q_id
@@ -94,7 +138,13 @@ class Waiters:
                 if not open_ids or (not every and len(open_ids) < len(questions)):
                     return
                 when = asyncio.ALL_COMPLETED if every else asyncio.FIRST_COMPLETED
-                await asyncio.wait([futures[q_id] for q_id in open_ids], return_when=when)
+                done = await _parked([futures[q_id] for q_id in open_ids], deadline, when)
+                if not done or (every and len(done) < len(open_ids)):
+                    return  # the timeout passed first
+                if self.metrics is not None:
+                    # The condition was met by the latest of these to resolve.
+                    resolved = [f.result().get("resolved_ms") or "0" for f in done]
+                    self.metrics.woke(max(resolved, key=int, default=None))
         except TimeoutError:
             return
 
@@ -132,16 +182,54 @@ class Waiters:
         for _, entry in fresh:
             entry.pending_subscribes += 1
             entry.ready.clear()
+        if self._sharded is not None:
+            self._spawn(self._ssubscribe(fresh))
+            self._connected.set()
+            return
         try:
             if self._pubsub.connection is None:
                 async with self._connect_lock:
                     await self._pubsub.connect()  # type: ignore[no-untyped-call]
+                    self._count_reconnects()
             await self._pubsub.subscribe(*(channel for channel, _ in fresh))
-        except BaseException:
+        except BaseException as exc:
             for _, entry in fresh:
                 entry.pending_subscribes -= 1
+            if isinstance(exc, AttributeError | RuntimeError):
+                # redis-py's reconnect racing the reader's (see _unsubscribe): the connection
+                # died under the SUBSCRIBE. An outage (503) for this caller, not a 500.
+                raise RedisConnectionError(f"pub/sub connection lost while subscribing: {exc!r}") from exc
             raise
         self._connected.set()
+
+    async def _ssubscribe(self, fresh: Sequence[tuple[str, _Channel]]) -> None:
+        """Cluster: one SSUBSCRIBE per channel, each on the connection to its slot's primary; a
+        primary demoted by a failover drops those connections, so it is retried on the new one.
+        It runs apart from the waiting requests, which await the confirmation (entry.ready):
+        redis-py's cluster pub/sub can hold a cancelled caller inside a dead connection's
+        reconnect. When it fails for good, the waiters read anyway and end at their timeout
+        with a final re-read: slower, never wrong."""
+        assert self._sharded is not None
+        assert self._cluster is not None
+        sharded, channels = self._sharded, [channel for channel, _ in fresh]
+        try:
+            await retry_failover(self._cluster, lambda: sharded.ssubscribe(*channels))
+        except (RedisError, AttributeError) as exc:
+            log.warning("SSUBSCRIBE of %d channels failed: %r", len(channels), exc)
+            for _, entry in fresh:
+                entry.pending_subscribes -= 1
+                if entry.pending_subscribes == 0:
+                    entry.ready.set()
+
+    def _count_reconnects(self) -> None:
+        """redis-py reconnects the pub/sub connection by itself (and resubscribes); its connect
+        callbacks run on every later connect of the same connection."""
+        connection = self._pubsub.connection
+        if connection is not None:
+            connection.register_connect_callback(self._reconnected)
+
+    def _reconnected(self, _connection: Any) -> None:
+        self.reconnects += 1
 
     def _leave(self, channel: str, entry: _Channel, future: asyncio.Future[Fields]) -> None:
         entry.futures.discard(future)
@@ -156,10 +244,15 @@ class Waiters:
         if entry is not None and entry.futures:
             return  # someone started waiting again meanwhile
         try:
-            await self._pubsub.unsubscribe(channel)
-        except (RedisConnectionError, RedisTimeoutError) as exc:
-            # The connection is gone; redis-py will not resubscribe what it no longer lists.
-            log.warning("unsubscribe of %s failed: %s", channel, exc)
+            if self._sharded is not None:
+                await self._sharded.sunsubscribe(channel)
+            else:
+                await self._pubsub.unsubscribe(channel)
+        except (RedisConnectionError, RedisTimeoutError, AttributeError, RuntimeError) as exc:
+            # The connection died under the command. AttributeError (a writer just dropped) and
+            # RuntimeError (two reads on one socket) are redis-py's own reconnect racing the
+            # reader's. The same resubscribe-then-unsubscribe path heals it.
+            log.warning("unsubscribe of %s failed: %r", channel, exc)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
@@ -171,7 +264,7 @@ class Waiters:
         while not self._stopping:
             await self._connected.wait()
             try:
-                message = await self._pubsub.get_message(timeout=1.0)
+                message = await self._next_message()
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 await backoff.failed(exc)
                 continue
@@ -179,8 +272,33 @@ class Waiters:
             if message is not None:
                 self._dispatch(message)
 
+    async def _next_message(self) -> dict[str, Any] | None:
+        if self._sharded is None:
+            message: dict[str, Any] | None = await self._pubsub.get_message(timeout=1.0)
+            return message
+        # Each primary's connection in turn, picked here: redis-py's own round robin ends for
+        # good once it meets an empty mapping (a generator that returns).
+        names = list(self._sharded.node_pubsub_mapping)
+        node = None
+        if names and self._cluster is not None:
+            self._poll_index = (self._poll_index + 1) % len(names)
+            node = self._cluster.get_node(node_name=names[self._poll_index])
+        if node is None:
+            # No primary holds a waited-on channel right now (none waited, or a move is under
+            # way): nothing to read.
+            await asyncio.sleep(SHARDED_POLL_SECONDS)
+            return None
+        try:
+            found: dict[str, Any] | None = await self._sharded.get_sharded_message(
+                timeout=SHARDED_POLL_SECONDS, target_node=node
+            )
+        except (AttributeError, RuntimeError) as exc:  # redis-py racing a reconnect or a move
+            raise RedisConnectionError(f"sharded pub/sub read failed: {exc!r}") from exc
+        return found
+
     def _dispatch(self, message: dict[str, Any]) -> None:
         kind, channel = message["type"], message["channel"]
+        kind = _PLAIN_KIND.get(kind, kind)
         entry = self._channels.get(channel)
         if kind == "message":
             if entry is not None:

@@ -20,13 +20,19 @@ BINARY = shutil.which("redis-server")
 MISSING = "redis-server is not installed (Debian: apt-get install redis-server)"
 
 
-def require_binary() -> str:
-    """The redis-server path; a skip with the reason, or a failure under CI=true."""
-    if BINARY is None:
+def require_tool(found: str | None, missing: str) -> str:
+    """`found` (a tool the tests need); without it, a skip with the reason, or a failure under
+    CI=true, where .ci/run installs every such tool."""
+    if not found:
         if os.environ.get("CI") == "true":
-            pytest.fail(MISSING + " -- required under CI=true")
-        pytest.skip(reason=MISSING)
-    return BINARY
+            pytest.fail(missing + " -- required under CI=true")
+        pytest.skip(reason=missing)
+    return found
+
+
+def require_binary() -> str:
+    """The redis-server path."""
+    return require_tool(BINARY, MISSING)
 
 
 def free_port() -> int:

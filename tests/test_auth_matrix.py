@@ -435,7 +435,11 @@ async def test_health_routes_answer_everyone(world: World, path: str, who: str) 
     assert reply.status == 200, reply.data
 
 
-V1_ROUTES = [route for route in ROUTES if route.path.startswith("/v1/")]
+# A Ping's action link is the one /v1 route whose signed path is its own authentication
+# (tests/test_pings.py checks forged, altered and replayed links).
+V1_ROUTES = [
+    route for route in ROUTES if route.path.startswith("/v1/") and not route.path.startswith("/v1/actions/")
+]
 
 
 def concrete(path: str) -> str:
@@ -451,3 +455,10 @@ async def test_every_v1_route_refuses_a_missing_or_dead_token(world: World, rout
     async with Unchanged(world.api, f"{route.method} {route.path} by {who}"):
         reply = await world.call(who, route.method, concrete(route.path), body)
     check_refusal(reply, 401)
+
+
+@pytest.mark.parametrize("who", DEAD)
+async def test_an_action_link_needs_no_token_but_a_forged_one_changes_nothing(world: World, who: str) -> None:
+    async with Unchanged(world.api, f"POST /v1/actions by {who}"):
+        reply = await world.call(who, "POST", "/v1/actions/eyJxIjoxfQ.c2lnbmF0dXJl", None)
+    check_refusal(reply, 403)

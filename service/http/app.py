@@ -7,15 +7,22 @@ import logging
 from collections.abc import AsyncIterator
 
 from aiohttp import web
+from redis.exceptions import RedisError
 
 from service.auth import Directory
 from service.backoff import stop_tasks
+from service.coalesce import Durability
+from service.delivery import DeliveryWorkers
 from service.events import EventHub, EventRelay
 from service.http.appkeys import (
+    ACTIONS,
     BLOCKING_REDIS,
+    DELIVERIES,
+    DELIVERY_WORKERS,
     DIRECTORY,
     EVENT_HUB,
     LISTENER,
+    METRICS,
     QUESTIONS,
     REDIS,
     RELAY,
@@ -24,14 +31,19 @@ from service.http.appkeys import (
     STORE,
     SWEEPER,
     WAITERS,
+    WEBHOOKS,
 )
 from service.http.problems import STORE_DOWN, problem_middleware
-from service.http.routes import ROUTES, auth_middleware
+from service.http.routes import PRINCIPAL, ROUTES, auth_middleware
 from service.keys import Keys
+from service.logs import request_middleware
+from service.metrics import Metrics, start_metrics_site
+from service.pings import Actions
 from service.questions import QuestionService
 from service.redis_client import connect, connect_blocking
 from service.scripts import Scripts
 from service.settings import Settings
+from service.stats import CheckState, redis_checks
 from service.store import QuestionStore
 from service.sweeper import KeyspaceListener, Sweeper
 from service.waiters import Waiters
@@ -40,16 +52,20 @@ log = logging.getLogger(__name__)
 
 
 def create_app(settings: Settings) -> web.Application:
+    metrics = Metrics()  # per app: tests run many apps in one process
+    observe = request_middleware(metrics, access_log=settings.access_log, principal_key=PRINCIPAL)
     app = web.Application(
-        middlewares=[problem_middleware, auth_middleware],
+        middlewares=[observe, problem_middleware, auth_middleware],
         client_max_size=settings.max_body_bytes,
     )
     app[SETTINGS] = settings
+    app[METRICS] = metrics
     app.add_routes(ROUTES)
     app.cleanup_ctx.append(redis_ctx)
     app.cleanup_ctx.append(waiters_ctx)
     app.cleanup_ctx.append(events_ctx)
     app.cleanup_ctx.append(background_ctx)
+    app.cleanup_ctx.append(observability_ctx)
     return app
 
 
@@ -57,7 +73,9 @@ async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     redis = connect(settings)
     blocking = connect_blocking(settings, redis)
-    scripts = Scripts(redis, shebang=not settings.in_memory)
+    durability = Durability(settings.wait_replicas, settings.wait_timeout_ms)
+    scripts = Scripts(redis, shebang=not settings.in_memory, durability=durability)
+    scripts.metrics = app[METRICS]
     try:
         await scripts.load_all()
     except STORE_DOWN as exc:
@@ -78,6 +96,14 @@ async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
         blocking=blocking,
     )
     app[BLOCKING_REDIS] = blocking
+    workers = DeliveryWorkers(redis, scripts, settings, blocking=blocking)
+    app[DELIVERY_WORKERS], app[WEBHOOKS], app[DELIVERIES] = workers, workers.registry, workers.store
+    app[ACTIONS] = Actions(redis, keys, workers.server_keys, app[DIRECTORY], settings.retention_seconds)
+    try:
+        # Made now, not by the first action link, so a refused request never writes them.
+        await workers.server_keys.action_key()
+    except STORE_DOWN as exc:
+        log.warning("cannot read the server keys yet (%s); the first Ping will", exc)
     yield
     await scripts.aclose()
     if blocking is not redis:
@@ -120,7 +146,57 @@ async def background_ctx(app: web.Application) -> AsyncIterator[None]:
     if settings.run_event_relay:
         await ensure_groups_quietly(app[RELAY])
         tasks.append(asyncio.create_task(app[RELAY].run(), name="event-relay"))
+    if settings.run_delivery:
+        await app[DELIVERY_WORKERS].start()
     yield
+    await app[DELIVERY_WORKERS].stop()
     for loop in (app[SWEEPER], app[LISTENER], app[RELAY]):
         loop.stopping = True
     await stop_tasks(tasks)
+
+
+async def observability_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Hand the components to /metrics, check the Redis settings once, and serve /metrics on
+    QS_METRICS_PORT too when it is set."""
+    metrics = app[METRICS]
+    metrics.waiters, metrics.hub = app[WAITERS], app[EVENT_HUB]
+    metrics.sweeper, metrics.listener, metrics.relay = app[SWEEPER], app[LISTENER], app[RELAY]
+    metrics.sender = app[DELIVERY_WORKERS].sender
+    metrics.coalescer = app[SCRIPTS].coalescer
+    app[WAITERS].metrics = metrics
+    await check_redis_at_start(app)
+    runner = await metrics_site(app)
+    yield
+    if runner is not None:
+        await runner.cleanup()
+
+
+async def check_redis_at_start(app: web.Application) -> None:
+    """Say loudly, once, when the Redis settings can lose questions or delay expiry."""
+    settings = app[SETTINGS]
+    try:
+        async with asyncio.timeout(settings.redis_timeout_seconds):
+            if settings.keyspace_notifications and not settings.in_memory:
+                # The listener task does this too; doing it first keeps the check from racing it.
+                await app[LISTENER].enable_notifications()
+            checks = await redis_checks(app[REDIS], settings)
+    except (RedisError, OSError) as exc:
+        log.warning("cannot check the Redis settings at start (%s); /readyz checks them", exc)
+        return
+    for check in checks:
+        if check.state is not CheckState.OK:
+            log.warning("Redis %s %s: %s", check.name, check.state.value, check.detail)
+
+
+async def metrics_site(app: web.Application) -> web.AppRunner | None:
+    """GET /metrics on QS_METRICS_PORT too, when it is set (same figures as the main port)."""
+    settings = app[SETTINGS]
+    if not settings.metrics_port:
+        return None
+    metrics, keys = app[METRICS], Keys(settings.key_prefix)
+
+    async def render(accept: str) -> tuple[bytes, str]:
+        await metrics.refresh_from_redis(app[REDIS], keys, settings.redis_timeout_seconds)
+        return metrics.render(accept)
+
+    return await start_metrics_site(render, settings.host, settings.metrics_port)

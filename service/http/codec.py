@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import msgpack
 from aiohttp import web
 
-from service.errors import Malformed, TooLarge, UnsupportedMediaType
+from service.errors import BodyTimeout, Malformed, TooLarge, UnsupportedMediaType
 from service.http.appkeys import SETTINGS
 from service.model import to_json
 
@@ -58,11 +59,17 @@ def decode(raw: bytes, content_type: str) -> Any:
 
 
 async def read_body(request: web.Request, *, optional: bool = False) -> Any:
-    """The decoded body; for an absent body, {} when the route allows that, else a 400."""
+    """The decoded body; for an absent body, {} when the route allows that, else a 400.
+    A body that trickles in (slowloris) is cut off after QS_BODY_TIMEOUT_SECONDS with a 408,
+    so a client cannot hold a handler for as long as it likes."""
+    settings = request.app[SETTINGS]
     try:
-        raw = await request.read()
+        async with asyncio.timeout(settings.body_timeout_seconds):
+            raw = await request.read()
+    except TimeoutError as exc:
+        raise BodyTimeout(f"the body did not arrive within {settings.body_timeout_seconds:g} s") from exc
     except web.HTTPRequestEntityTooLarge as exc:
-        raise TooLarge(f"the body exceeds {request.app[SETTINGS].max_body_bytes} bytes") from exc
+        raise TooLarge(f"the body exceeds {settings.max_body_bytes} bytes") from exc
     if not raw and optional:
         return {}
     return decode(raw, request.content_type)

@@ -11,11 +11,29 @@ from aiohttp import web
 
 from service import bodies
 from service.bodies import IDENTITY_FIELDS
-from service.errors import Forbidden, IdentityInBody, Invalid, NotFound, Unauthenticated
-from service.http.appkeys import DIRECTORY, EVENT_HUB, QUESTIONS, REDIS, SCRIPTS, SETTINGS
+from service.errors import Forbidden, IdentityInBody, Invalid, NotFound, Unauthenticated, Unavailable
+from service.http.appkeys import (
+    ACTIONS,
+    DELIVERIES,
+    DELIVERY_WORKERS,
+    DIRECTORY,
+    EVENT_HUB,
+    METRICS,
+    QUESTIONS,
+    REDIS,
+    SCRIPTS,
+    SETTINGS,
+    WEBHOOKS,
+)
 from service.http.codec import read_body, respond
-from service.model import Kind, Principal, State
+from service.http.openapi import openapi_json
+from service.http.web import inbox, web_file
+from service.keys import Keys
+from service.logs import REQUEST_ID, REQUEST_ID_HEADER, note
+from service.model import IDENTIFIER, Kind, Principal, State
+from service.pings import require_user
 from service.questions import Outcome
+from service.stats import LOSSY, redis_checks, warnings_of
 
 PRINCIPAL = web.RequestKey("principal", Principal)
 _PREFER_WAIT = re.compile(r"(?:^|[,;\s])wait\s*=\s*\"?(\d+(?:\.\d+)?)\"?", re.IGNORECASE)
@@ -27,8 +45,11 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every /v1 route needs `Authorization: Bearer <token>`; the principal comes from it alone."""
-    if request.path.startswith("/v1/"):
+    """Every /v1 route needs `Authorization: Bearer <token>`; the principal comes from it alone.
+    The one exception is a Ping's action link, whose signed token is its own authentication."""
+    if request.path.startswith("/v1/actions/"):
+        check_query(request)
+    elif request.path.startswith("/v1/"):
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise Unauthenticated("send Authorization: Bearer <token>")
@@ -42,6 +63,8 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
 
 def check_query(request: web.Request) -> None:
     """Refuse query parameters a route does not take, rather than silently ignoring them."""
+    if request.match_info.http_exception is not None:
+        return  # no route matched: the 404 or 405 (with Allow) says more than the query would
     smuggled = IDENTITY_FIELDS & set(request.query)
     if smuggled and request.path.endswith("/answer"):
         raise IdentityInBody(f"remove {sorted(smuggled)}: the responder is the token's owner")
@@ -60,12 +83,21 @@ def outcome_reply(outcome: Outcome) -> dict[str, Any]:
 
 async def ask(request: web.Request) -> web.Response:
     body = bodies.convert(await read_body(request), bodies.Ask)
+    if body.webhook_url is not None:
+        request.app[WEBHOOKS].policy.check_url(body.webhook_url)
     key = idempotency_key(request)
     question, created = await request.app[QUESTIONS].ask(request[PRINCIPAL], body, key)
-    location = f"/v1/questions/{question.id}"
-    return respond(
-        request, question.envelope(), status=201 if created else 200, headers={"Location": location}
-    )
+    note(request, outcome="created" if created else "replayed", question_id=question.id)
+    headers = {"Location": f"/v1/questions/{question.id}"}
+    if question.fields.get("hook_secret"):
+        # Not in the envelope, which every path returns alike: shown to the asker here only.
+        headers["Webhook-Secret"] = question.fields["hook_secret"]
+    return respond(request, question.envelope(), status=201 if created else 200, headers=headers)
+
+
+async def me(request: web.Request) -> web.Response:
+    """Who the token belongs to (the web inbox tells my answers from others' by it)."""
+    return respond(request, {"principal": request[PRINCIPAL].public()})
 
 
 async def get_question(request: web.Request) -> web.Response:
@@ -92,12 +124,14 @@ async def list_questions(request: web.Request) -> web.Response:
 async def answer(request: web.Request) -> web.Response:
     body = bodies.convert(await read_body(request), bodies.Answer)
     outcome = await request.app[QUESTIONS].answer(request[PRINCIPAL], request.match_info["id"], body.option)
+    note(request, outcome="applied" if outcome.applied else "stale")
     return respond(request, outcome_reply(outcome))
 
 
 async def cancel(request: web.Request) -> web.Response:
     body = bodies.convert(await read_body(request, optional=True), bodies.Cancel)
     outcome = await request.app[QUESTIONS].cancel(request[PRINCIPAL], request.match_info["id"], body.reason)
+    note(request, outcome="applied" if outcome.applied else "stale")
     return respond(request, outcome_reply(outcome))
 
 
@@ -183,6 +217,7 @@ async def events(request: web.Request) -> web.StreamResponse:
     subscriber = hub.subscribe(principal.id, position)
     heartbeat = request.app[SETTINGS].sse_heartbeat_seconds
     response = web.StreamResponse(headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    response.headers[REQUEST_ID_HEADER] = request[REQUEST_ID]  # prepared here, not in the middleware
     response.content_type = "text/event-stream"
     try:
         await response.prepare(request)
@@ -201,6 +236,89 @@ async def events(request: web.Request) -> web.StreamResponse:
     finally:
         hub.unsubscribe(subscriber)
     return response
+
+
+# -- webhooks -----------------------------------------------------------------------------------
+
+
+async def create_webhook(request: web.Request) -> web.Response:
+    body = bodies.convert(await read_body(request), bodies.NewWebhook)
+    hook = await request.app[WEBHOOKS].create(request[PRINCIPAL].id, body.url, list(body.events))
+    location = f"/v1/webhooks/{hook.id}"
+    return respond(request, hook.with_secret(), status=201, headers={"Location": location})
+
+
+async def list_webhooks(request: web.Request) -> web.Response:
+    hooks = await request.app[WEBHOOKS].of_owner(request[PRINCIPAL].id)
+    return respond(request, {"webhooks": [hook.public() for hook in hooks]})
+
+
+async def rotate_webhook(request: web.Request) -> web.Response:
+    hook = await request.app[WEBHOOKS].rotate(request[PRINCIPAL].id, request.match_info["id"])
+    return respond(request, hook.with_secret())
+
+
+async def delete_webhook(request: web.Request) -> web.Response:
+    await request.app[WEBHOOKS].delete(request[PRINCIPAL].id, request.match_info["id"])
+    return web.Response(status=204)
+
+
+async def list_deliveries(request: web.Request) -> web.Response:
+    hook = await request.app[WEBHOOKS].get(request[PRINCIPAL].id, request.match_info["id"])
+    limit = bounded_int(request.query.get("limit"), "limit", 1, 200, default=50)
+    return respond(request, {"deliveries": await request.app[DELIVERIES].for_webhook(hook.id, limit)})
+
+
+async def list_dead_letters(request: web.Request) -> web.Response:
+    require_admin(request)
+    limit = bounded_int(request.query.get("limit"), "limit", 1, 200, default=50)
+    return respond(request, {"deliveries": await request.app[DELIVERIES].dead_letters(limit)})
+
+
+async def replay_dead_letter(request: web.Request) -> web.Response:
+    require_admin(request)
+    return respond(request, {"delivery": await request.app[DELIVERIES].replay(request.match_info["id"])})
+
+
+# -- Pings: channels and action links -------------------------------------------------------------
+
+
+async def put_channel(request: web.Request) -> web.Response:
+    principal = request[PRINCIPAL]
+    require_user(principal.kind)
+    body = bodies.convert(await read_body(request), bodies.NewChannel)
+    name = request.match_info["name"]
+    if not IDENTIFIER.match(name):
+        raise Invalid("a channel name is 1-64 of a-z 0-9 . _ - and starts with a letter or digit")
+    channel = await request.app[DELIVERY_WORKERS].channels.put(principal.id, name, body)
+    reply = channel.public() | ({"secret": channel.secret} if channel.secret else {})
+    return respond(request, reply)
+
+
+async def list_channels(request: web.Request) -> web.Response:
+    principal = request[PRINCIPAL]
+    require_user(principal.kind)
+    channels = await request.app[DELIVERY_WORKERS].channels.of_user(principal.id)
+    return respond(request, {"channels": [c.public() for c in channels]})
+
+
+async def delete_channel(request: web.Request) -> web.Response:
+    principal = request[PRINCIPAL]
+    require_user(principal.kind)
+    await request.app[DELIVERY_WORKERS].channels.delete(principal.id, request.match_info["name"])
+    return web.Response(status=204)
+
+
+async def webpush_key(request: web.Request) -> web.Response:
+    key = await request.app[DELIVERY_WORKERS].server_keys.vapid_public_key()
+    return respond(request, {"public_key": key})
+
+
+async def act(request: web.Request) -> web.Response:
+    """A Ping's button: the signed link is the authentication; answers as its user, once."""
+    claim, user = await request.app[ACTIONS].claim(request.match_info["token"])
+    outcome = await request.app[QUESTIONS].answer(user, claim.question, claim.option)
+    return respond(request, outcome_reply(outcome))
 
 
 # -- admin --------------------------------------------------------------------------------------
@@ -283,23 +401,55 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Ready when Redis answers and every script is loaded (loading them if Redis lost them)."""
+    """Ready when Redis answers and every script is loaded (loading them if Redis lost them).
+    The body lists the Redis settings checks; a setting that can lose questions is a warning,
+    or, with QS_READY_REQUIRES_SAFE_REDIS, makes the process not ready."""
     scripts = request.app[SCRIPTS]
+    settings = request.app[SETTINGS]
     await request.app[REDIS].ping()
     if not await scripts.loaded():
         await scripts.load_all()
-    return respond(request, {"status": "ready"})
+    checks = await redis_checks(request.app[REDIS], settings)
+    lossy = [c for c in checks if c.state in LOSSY]
+    if lossy and settings.ready_requires_safe_redis:
+        raise Unavailable("Redis settings can lose questions: " + "; ".join(warnings_of(lossy)))
+    body = {
+        "status": "ready",
+        "checks": {c.name: c.public() for c in checks},
+        "warnings": warnings_of(checks),
+    }
+    return respond(request, body)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return await metrics_reply(request.app, request)
+
+
+async def metrics_reply(app: web.Application, request: web.Request) -> web.Response:
+    """Prometheus text (or OpenMetrics, by Accept), after reading the Redis-wide figures."""
+    settings = app[SETTINGS]
+    registry = app[METRICS]
+    await registry.refresh_from_redis(app[REDIS], Keys(settings.key_prefix), settings.redis_timeout_seconds)
+    body, content_type = registry.render(request.headers.get("Accept", ""))
+    return web.Response(body=body, headers={"Content-Type": content_type})
 
 
 QUERY: dict[Any, frozenset[str]] = {
     list_questions: frozenset({"state", "role", "room", "limit", "cursor"}),
     wait: frozenset({"timeout"}),
     events: frozenset({"last_event_id"}),
+    list_deliveries: frozenset({"limit"}),
+    list_dead_letters: frozenset({"limit"}),
 }
 
 ROUTES = [
     web.get("/healthz", healthz),
     web.get("/readyz", readyz),
+    web.get("/metrics", metrics),
+    web.get("/openapi.json", openapi_json),
+    web.get("/", inbox),
+    web.get("/web/{name}", web_file),
+    web.get("/v1/me", me),
     web.post("/v1/questions", ask),
     web.get("/v1/questions", list_questions),
     web.post("/v1/questions/wait", wait_many),
@@ -308,6 +458,18 @@ ROUTES = [
     web.post("/v1/questions/{id}/cancel", cancel),
     web.get("/v1/questions/{id}/wait", wait),
     web.get("/v1/events", events),
+    web.post("/v1/webhooks", create_webhook),
+    web.get("/v1/webhooks", list_webhooks),
+    web.post("/v1/webhooks/{id}/rotate", rotate_webhook),
+    web.delete("/v1/webhooks/{id}", delete_webhook),
+    web.get("/v1/webhooks/{id}/deliveries", list_deliveries),
+    web.get("/v1/admin/deadletters", list_dead_letters),
+    web.post("/v1/admin/deadletters/{id}/replay", replay_dead_letter),
+    web.put("/v1/me/channels/{name}", put_channel),
+    web.get("/v1/me/channels", list_channels),
+    web.delete("/v1/me/channels/{name}", delete_channel),
+    web.get("/v1/webpush/key", webpush_key),
+    web.post("/v1/actions/{token}", act),
     web.post("/v1/admin/principals", create_principal),
     web.post("/v1/admin/principals/{id}/tokens", issue_token),
     web.delete("/v1/admin/tokens/{ref}", revoke_token),
