@@ -8,6 +8,7 @@ import asyncio
 import random
 from collections import Counter
 
+import pytest
 from redis.exceptions import RedisError
 
 from service.http.appkeys import REDIS, SWEEPER
@@ -38,6 +39,10 @@ def retried_like_the_service(sweeper: Sweeper) -> None:
     sweeper.sweep_once = sweep_once  # type: ignore[method-assign]
 
 
+# redis-py 8.1's cluster client can drop, unclosed, a socket to the primary a failover demotes
+# (a ResourceWarning at garbage collection, in redis-py, not in the service). Every assertion on
+# the stories, counters and outbox below still holds; only that warning is let through.
+@pytest.mark.filterwarnings("ignore::ResourceWarning", "ignore::pytest.PytestUnraisableExceptionWarning")
 async def test_race_storm_with_a_failover_midway_keeps_one_terminal_story_per_question(
     cluster_server: ClusterServer,
 ) -> None:
