@@ -26,7 +26,8 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 pytest: $(STAMP)
-	$(BIN)/pytest --ignore=tests/chaos $(PYTEST_ARGS)
+	$(BIN)/pytest --ignore=tests/chaos --ignore=tests/cluster $(PYTEST_ARGS)
+	$(BIN)/pytest tests/cluster $(PYTEST_ARGS)
 
 ## chaos: issue 4's evidence: the model-based test and the fault-injection suite (under 15 min; also run by .ci/run)
 chaos: $(STAMP)
