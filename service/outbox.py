@@ -10,6 +10,7 @@ idempotent, because an entry can be handled twice.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import os
 import secrets
@@ -28,7 +29,7 @@ Entries = Sequence[tuple[str, dict[str, str]]]
 RECLAIM_IDLE_MS = 30_000
 
 
-class OutboxConsumer:
+class OutboxConsumer(abc.ABC):
     """Subclasses name their `group` and implement `handle`, which must acknowledge."""
 
     group = ""
@@ -43,8 +44,9 @@ class OutboxConsumer:
         self.handled = 0
         self.stopping = False  # checked each read: see backoff.stop_tasks
 
+    @abc.abstractmethod
     async def handle(self, outbox: str, entries: Entries) -> None:
-        raise NotImplementedError
+        """Handle a batch idempotently, then acknowledge it (XACK) in the same round trip."""
 
     async def ensure_groups(self) -> None:
         for b in range(BUCKETS):
