@@ -111,10 +111,7 @@ async def test_race_storm_every_question_has_exactly_one_terminal_story(
     redis_server: RedisServer, redis: Redis
 ) -> None:
     rng = random.Random(20260412)
-    # The storm is about the state machine; delivery has its own tests (test_webhooks,
-    # test_pings). With the fan-out and sender also running in both apps, the full suite on this
-    # 2-core machine ran the pools dry ("No connection available"), an open item in the notes.
-    settings = settings_for(redis_server.url, auth_cache_seconds=5, wait_max_seconds=15, run_delivery=False)
+    settings = settings_for(redis_server.url, auth_cache_seconds=5, wait_max_seconds=15)
     first = await start_client(settings)
     second = await start_client(settings)  # a second process on the same Redis and prefix
     try:
