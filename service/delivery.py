@@ -279,15 +279,15 @@ class OutboxFanout(OutboxConsumer):
 
     async def _fan_out(self, entry_id: str, event: dict[str, str]) -> None:
         question = pairs_to_fields(json.loads(event["question"]))
-        hooks = await self.registry.subscribed(question["asker"], event["type"])
-        if hooks:
-            body = webhook_body(event["type"], int(entry_id.split("-")[0]), envelope(question))
-            for hook in hooks:
-                await self.deliveries.enqueue(event, hook.id, hook.url, body, delivery_id(entry_id, hook.id))
+        # (target, url) of every webhook this event goes to: the asker's subscribed endpoints,
+        # and the question's own URL for its terminal events. All carry the same body.
+        targets = [(h.id, h.url) for h in await self.registry.subscribed(question["asker"], event["type"])]
         if question.get("hook_url") and event["type"] != "question.created":
+            targets.append((f"q:{question['id']}", question["hook_url"]))
+        if targets:
             body = webhook_body(event["type"], int(entry_id.split("-")[0]), envelope(question))
-            ref = f"q:{question['id']}"
-            await self.deliveries.enqueue(event, ref, question["hook_url"], body, delivery_id(entry_id, ref))
+            for target, url in targets:
+                await self.deliveries.enqueue(event, target, url, body, delivery_id(entry_id, target))
         for ref in await self._ping_refs(event["type"], question):
             await self.deliveries.enqueue(event, ref, "", "", delivery_id(entry_id, ref))
 
