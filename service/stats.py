@@ -8,17 +8,19 @@ pipeline; only `stats` counts the per-principal event streams, with SCAN.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from service.keys import BUCKETS, Keys
+from service.redis_client import as_cluster, connect, is_cluster
 from service.settings import Settings
 
 COUNTERS = ("created", "answered", "expired", "cancelled", "stale")
+T = TypeVar("T")
 RELAY_GROUP = "events"  # service.events.GROUP; not imported, to keep this module light
 
 
@@ -128,19 +130,61 @@ async def event_streams(redis: Redis, keys: Keys) -> dict[str, int]:
     return {"count": len(found), "entries": total}
 
 
+async def each_server(redis: Redis, call: Callable[[Redis, dict[str, Any]], Awaitable[T]]) -> dict[str, T]:
+    """`call(client, options)` once per Redis server that holds questions: every primary of a
+    cluster (options target it; INFO and CONFIG would otherwise reach one node), or the one server.
+    Keyed by the node's host:port ("" for a single server)."""
+    if not is_cluster(redis):
+        return {"": await call(redis, {})}
+    cluster = as_cluster(redis)
+    primaries = sorted(cluster.get_primaries(), key=lambda node: node.name)
+    return {node.name: await call(redis, {"target_nodes": node}) for node in primaries}
+
+
+async def _memory_and_clients(redis: Redis, options: dict[str, Any]) -> dict[str, Any]:
+    memory = await redis.info("memory", **options)
+    clients = await redis.info("clients", **options)
+    return {
+        "used_memory": int(memory.get("used_memory", 0)),
+        "used_memory_human": memory.get("used_memory_human"),
+        "maxmemory": int(memory.get("maxmemory", 0)),
+        "maxmemory_human": memory.get("maxmemory_human"),
+        "maxmemory_policy": memory.get("maxmemory_policy"),
+        "connected_clients": int(clients.get("connected_clients", 0)),
+    }
+
+
 async def server_figures(redis: Redis) -> dict[str, Any]:
-    memory = await redis.info("memory")
-    clients = await redis.info("clients")
+    """Memory and clients; on a cluster, summed over the primaries, with each one under `nodes`."""
+    servers = await each_server(redis, _memory_and_clients)
+    if list(servers) == [""]:
+        one = servers[""]
+        return {
+            "memory": {k: v for k, v in one.items() if k != "connected_clients"},
+            "connected_clients": one["connected_clients"],
+        }
+    used = sum(s["used_memory"] for s in servers.values())
+    limits = [s["maxmemory"] for s in servers.values()]
+    policies = sorted({str(s["maxmemory_policy"]) for s in servers.values()})
     return {
         "memory": {
-            "used_memory": memory.get("used_memory"),
-            "used_memory_human": memory.get("used_memory_human"),
-            "maxmemory": memory.get("maxmemory"),
-            "maxmemory_human": memory.get("maxmemory_human"),
-            "maxmemory_policy": memory.get("maxmemory_policy"),
+            "used_memory": used,
+            "used_memory_human": _human(used),
+            "maxmemory": 0 if 0 in limits else sum(limits),  # 0: one primary at least is unbounded
+            "maxmemory_human": _human(0 if 0 in limits else sum(limits)),
+            "maxmemory_policy": ",".join(policies),
         },
-        "connected_clients": clients.get("connected_clients"),
+        "connected_clients": sum(s["connected_clients"] for s in servers.values()),
+        "nodes": servers,
     }
+
+
+def _human(size: int) -> str:
+    """Bytes the way INFO prints them (used_memory_human)."""
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if size >= scale:
+            return f"{size / scale:.2f}{unit}"
+    return f"{size}B"
 
 
 async def collect(redis: Redis, settings: Settings) -> dict[str, Any]:
@@ -173,8 +217,6 @@ async def collect(redis: Redis, settings: Settings) -> dict[str, Any]:
 
 async def run(settings: Settings, *, as_json: bool) -> dict[str, Any] | str:
     """`question-service stats`: the figures as a dict (printed as JSON) or as text."""
-    from service.redis_client import connect
-
     redis = connect(settings)
     try:
         figures = await collect(redis, settings)
@@ -200,6 +242,12 @@ def render_text(figures: dict[str, Any]) -> str:
         f"  policy {m['maxmemory_policy']}",
         f"clients          {figures['connected_clients']} connected",
     ]
+    for node, figures_of_node in figures.get("nodes", {}).items():
+        lines.append(
+            f"primary {node:<21} used {figures_of_node['used_memory_human']}"
+            f"  maxmemory {figures_of_node['maxmemory_human']}  policy {figures_of_node['maxmemory_policy']}"
+            f"  clients {figures_of_node['connected_clients']}"
+        )
     for name, check in figures["checks"].items():
         lines.append(f"check {name:<22} {check['state']}: {check['detail']}")
     return "\n".join(lines)
@@ -227,25 +275,48 @@ class Check:
 
 async def redis_checks(redis: Redis, settings: Settings) -> list[Check]:
     """The Redis settings that decide whether questions survive: eviction, persistence, and
-    keyspace notifications (prompt expiry)."""
+    keyspace notifications (prompt expiry). On a cluster, every primary is read and each check
+    reports its worst state, naming the primaries in it."""
     if settings.in_memory:
         return [
             Check("backend", CheckState.AT_RISK, "memory:// keeps nothing: a restart loses every question")
         ]
-    memory = await redis.info("memory")
-    config = await _config(redis, "appendonly", "appendfsync", "save", "notify-keyspace-events")
-    persistence = await redis.info("persistence") if config is None else {}
-    return [
-        eviction_check(memory),
-        persistence_check(config, persistence),
-        notifications_check(config, settings),
-    ]
+
+    async def checks_of(client: Redis, options: dict[str, Any]) -> list[Check]:
+        memory = await client.info("memory", **options)
+        config = await _config(client, options, "appendonly", "appendfsync", "save", "notify-keyspace-events")
+        persistence = await client.info("persistence", **options) if config is None else {}
+        return [
+            eviction_check(memory),
+            persistence_check(config, persistence),
+            notifications_check(config, settings),
+        ]
+
+    return worst_of(await each_server(redis, checks_of))
 
 
-async def _config(redis: Redis, *names: str) -> dict[str, str] | None:
+SEVERITY = {CheckState.OK: 0, CheckState.UNKNOWN: 1, CheckState.DEGRADED: 2, CheckState.AT_RISK: 3}
+
+
+def worst_of(by_server: dict[str, list[Check]]) -> list[Check]:
+    """One list of checks from each server's: per check, the worst state, and where it is."""
+    if len(by_server) == 1:
+        return next(iter(by_server.values()))
+    combined = []
+    for checks in zip(*by_server.values(), strict=True):
+        worst = max(checks, key=lambda check: SEVERITY[check.state])
+        where = [name for name, check in zip(by_server, checks, strict=True) if check.state is worst.state]
+        scope = (
+            "every primary" if len(where) == len(by_server) else f"{len(where)} of {len(by_server)} primaries"
+        )
+        combined.append(Check(worst.name, worst.state, f"{worst.detail} ({scope}: {', '.join(where)})"))
+    return combined
+
+
+async def _config(redis: Redis, options: dict[str, Any], *names: str) -> dict[str, str] | None:
     """CONFIG GET of each name, or None when the server refuses CONFIG (managed services)."""
     try:
-        found = await redis.config_get(*names)  # one round trip: Redis 7 takes several names
+        found = await redis.config_get(*names, **options)  # one round trip: Redis 7 takes several names
     except ResponseError:
         return None
     return {str(k): str(v) for k, v in found.items()}
