@@ -25,7 +25,8 @@
 
   Output:
     {'applied', fields}      this call answered the question (also on a re-run of this call)
-    {'stale', fields}        already terminal, or expired now because the deadline has passed
+    {'stale', fields}        already terminal
+    {'stale', fields, 'expired_now'}  the deadline has passed: this call expired it
     {'not_found'}            no such question
     {'not_eligible', fields} the responder is neither the target user nor in the target room
     {'unknown_option'}       ARGV[3] is not one of the question's options (checked after

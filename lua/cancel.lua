@@ -25,7 +25,8 @@
 
   Output:
     {'applied', fields}      this call cancelled the question (also on a re-run of this call)
-    {'stale', fields}        already terminal, or expired now because the deadline has passed
+    {'stale', fields}        already terminal
+    {'stale', fields, 'expired_now'}  the deadline has passed: this call expired it
     {'not_found'}            no such question
     {'not_asker', fields}    the canceller is neither the asker nor allowed to cancel any
 

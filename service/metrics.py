@@ -224,9 +224,9 @@ class Metrics:
             elif code == "stale" and args.get("want fields") == "0":
                 self._outcomes[(kind, "stale")].inc()  # a sweeper or listener came second
             return
-        # A late answer or cancel that expires the question itself is counted as its stale
-        # result only: its reply cannot be told from a later stale tap's (both carry tcall
-        # 'inline'). The Redis-side stats hash counts that expiry (`question-service stats`).
+        if reply.expired_now:  # a late answer or cancel expired the question: stale tap + expiry
+            self._outcomes[("expired", "applied")].inc()
+            self.inline_expired += 1
         self._outcomes[(kind, RESULT[code])].inc()
 
     def script_failed(self, name: str, exc: BaseException) -> None:

@@ -69,6 +69,7 @@ class Reply:
     code: Code
     fields: Fields | None = None
     value: str | None = None
+    expired_now: bool = False  # a late answer or cancel expired the question itself
 
 
 def interpret(raw: Any) -> Reply:
@@ -80,7 +81,7 @@ def interpret(raw: Any) -> Reply:
         return Reply(code)
     payload = raw[1]
     if isinstance(payload, list):
-        return Reply(code, fields=pairs_to_fields(payload))
+        return Reply(code, fields=pairs_to_fields(payload), expired_now=raw[2:] == ["expired_now"])
     return Reply(code, value=str(payload))
 
 

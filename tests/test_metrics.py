@@ -183,7 +183,7 @@ async def test_a_sweep_expiring_three_overdue_questions_adds_three_sweep_expirie
     assert value(after, "qs_pending_questions") == 0
 
 
-async def test_a_fetch_after_the_deadline_counts_an_inline_expiry(
+async def test_a_fetch_or_a_tap_after_the_deadline_counts_one_inline_expiry_each(
     quiet: tuple[TestClient[object, object], Api], redis_server: RedisServer
 ) -> None:
     client, api = quiet
@@ -199,11 +199,12 @@ async def test_a_fetch_after_the_deadline_counts_an_inline_expiry(
     assert (await api.get(agent, fetched["id"])).body["state"] == "expired"
     late = await api.answer(alice, tapped["id"], "yes")
     assert late.body["question"]["state"] == "expired"
+    assert (await api.answer(alice, tapped["id"], "no")).body["question"]["state"] == "expired"
     samples = await scrape(client)
-    assert value(samples, "qs_expired_total", mechanism="inline") == 1
+    assert value(samples, "qs_expired_total", mechanism="inline") == 2  # the first fetch, the first tap
     assert value(samples, "qs_expired_total", mechanism="sweep") == 0
-    assert value(samples, "qs_transitions_total", kind="expired", result="applied") == 1
-    assert value(samples, "qs_transitions_total", kind="answered", result="stale") == 1
+    assert value(samples, "qs_transitions_total", kind="expired", result="applied") == 2
+    assert value(samples, "qs_transitions_total", kind="answered", result="stale") == 2
 
 
 async def test_outbox_backlog_counts_entries_until_the_relay_acknowledges_them(

@@ -1,7 +1,8 @@
 -- refuse_late_tap(id, state, expires_ms, tcall, call_id, now, retention_ms, outbox_maxlen, publish):
 -- for answer and cancel, the reply when the tap cannot apply: the question is already
 -- terminal (the stored story; 'applied' only for a re-run of the call that made it), or its
--- deadline has passed (it expires now and the tap is stale). nil while it is pending in time.
+-- deadline has passed (it expires now and the tap is stale: {'stale', fields, 'expired_now'}, so the
+-- service can count that expiry). nil while it is pending in time.
 --@include "settled"
 --@include "note_stale"
 --@include "expire_overdue"
@@ -13,7 +14,7 @@ local function refuse_late_tap(id, state, expires_ms, tcall, call_id, now, reten
   end
   if now >= expires_ms then
     note_stale(call_id)
-    return {'stale', expire_overdue(id, expires_ms, 'inline', retention_ms, outbox_maxlen, publish)}
+    return {'stale', expire_overdue(id, expires_ms, 'inline', retention_ms, outbox_maxlen, publish), 'expired_now'}
   end
   return nil
 end
