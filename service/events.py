@@ -17,13 +17,13 @@ reads the streams without BLOCK, one XREAD per slot in one pipeline (split by no
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -85,7 +85,7 @@ class EventRelay(OutboxConsumer):
                 if not fields:
                     continue  # trimmed away before we read it
                 kind = CREATED if fields["type"] == CREATED else RESOLVED
-                question = pairs_to_fields(json.loads(fields["question"]))
+                question = pairs_to_fields(msgspec.json.decode(fields["question"]))
                 data = to_json(envelope(question)).decode()
                 for principal in await self._recipients(kind, question, recipients_of):
                     stream = self.keys.events(principal)

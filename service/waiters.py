@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterPubSub
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -302,7 +302,7 @@ class Waiters:
         entry = self._channels.get(channel)
         if kind == "message":
             if entry is not None:
-                self._resolve(entry, pairs_to_fields(json.loads(message["data"])))
+                self._resolve(entry, pairs_to_fields(msgspec.json.decode(message["data"])))
         elif kind == "subscribe":
             if entry is None:
                 self._spawn(self._unsubscribe(channel))

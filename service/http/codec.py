@@ -64,8 +64,11 @@ async def read_body(request: web.Request, *, optional: bool = False) -> Any:
     so a client cannot hold a handler for as long as it likes."""
     settings = request.app[SETTINGS]
     try:
-        async with asyncio.timeout(settings.body_timeout_seconds):
+        if request.content.is_eof():  # the whole body came with the headers: no timer to arm
             raw = await request.read()
+        else:
+            async with asyncio.timeout(settings.body_timeout_seconds):
+                raw = await request.read()
     except TimeoutError as exc:
         raise BodyTimeout(f"the body did not arrive within {settings.body_timeout_seconds:g} s") from exc
     except web.HTTPRequestEntityTooLarge as exc:
