@@ -181,9 +181,9 @@ class ServiceProc(Proc):
         )
         # BENCH_SERVICE_ENV="QS_X=1,QS_Y=2" runs the bench's services with other settings.
         for pair in os.environ.get("BENCH_SERVICE_ENV", "").split(","):
-            name, sep, value = pair.strip().partition("=")
-            if sep and name.startswith("QS_"):
-                env[name] = value
+            variable, sep, value = pair.strip().partition("=")
+            if sep and variable.startswith("QS_"):
+                env[variable] = value
         env.update({f"QS_{k.upper()}": v for k, v in settings.items()})
         super().__init__(name, [*command_prefix, sys.executable, "-m", "service", "serve"], env, workdir)
 
