@@ -268,6 +268,12 @@ class Waiters:
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 await backoff.failed(exc)
                 continue
+            if backoff.failures:
+                # A read failed: a message may have died with its connection. redis-py's
+                # resubscribe confirmations re-read their channels; this covers every other one.
+                for entry in list(self._channels.values()):
+                    if entry.futures:
+                        self._spawn(self._reread(entry))
             backoff.succeeded()
             if message is not None:
                 self._dispatch(message)
@@ -311,11 +317,28 @@ class Waiters:
                 if entry.pending_subscribes == 0:
                     entry.ready.set()
             elif entry.futures:
-                # A confirmation nobody asked for: redis-py resubscribed after a reconnect.
+                # A confirmation nobody asked for: redis-py resubscribed after a reconnect, or
+                # _resubscribe below. A publish may have come and gone meanwhile: read again.
                 self.resubscriptions += 1
                 self._spawn(self._reread(entry))
+        elif kind == "unsubscribe" and entry is not None and entry.futures and not entry.pending_subscribes:
+            # Unsubscribed under a parked waiter: an earlier waiter's unsubscribe, retried by
+            # redis-py across a reconnect, overtook this one's subscribe, or (cluster) the slot's
+            # primary changed. Subscribe again; the confirmation re-reads.
+            self._spawn(self._resubscribe(channel))
         if entry is not None and not entry.futures and entry.pending_subscribes == 0:
             self._channels.pop(channel, None)
+
+    async def _resubscribe(self, channel: str) -> None:
+        try:
+            if self._sharded is not None and self._cluster is not None:
+                sharded = self._sharded
+                await retry_failover(self._cluster, lambda: sharded.ssubscribe(channel))
+            else:
+                await self._pubsub.subscribe(channel)
+        except (RedisError, AttributeError, RuntimeError) as exc:
+            # As in _ssubscribe: the waiter's own timeout and final read still bound it.
+            log.warning("resubscribe of %s failed: %r", channel, exc)
 
     async def _reread(self, entry: _Channel) -> None:
         try:

@@ -282,6 +282,36 @@ async def test_waiter_arriving_while_the_channel_churns_is_still_woken(
         await until_unsubscribed(client, redis, store.channel(question["id"]))
 
 
+async def test_waiter_unsubscribed_under_it_subscribes_again_and_is_still_woken(
+    long_wait_client: TestClient[object, object], redis: Redis
+) -> None:
+    """An earlier waiter's UNSUBSCRIBE that overtakes this one's SUBSCRIBE (redis-py retries it
+    across a reconnect) leaves a parked waiter with no subscription: it must subscribe again and
+    re-read, not sleep until its timeout while the answer's publish goes to nobody."""
+    client = long_wait_client
+    api = Api(client, ADMIN_TOKEN)
+    waiters = client.server.app[WAITERS]
+    agent = await api.principal("agent", "agent")
+    alice = await api.principal("alice", "user")
+    question = await api.ask(agent, {"user": "alice"})
+    channel = client.server.app[STORE].channel(question["id"])
+    waiting = asyncio.create_task(api.wait(agent, question["id"], 30))
+    await until_waiting(client, 1, [waiting])
+    resubscribed = waiters.resubscriptions
+
+    await waiters._pubsub.unsubscribe(channel)  # the stray unsubscribe, on the service's connection
+
+    async def unsubscribed_or_healed() -> bool:
+        return waiters.resubscriptions > resubscribed or await numsub(redis, channel) == 0
+
+    await eventually(unsubscribed_or_healed, within=5, what="the stray unsubscribe reached Redis")
+    answered = await api.answer(alice, question["id"], "yes")
+    async with asyncio.timeout(10):  # woken, not timed out (the wait runs 30 s)
+        woken = await waiting
+    assert woken.body == answered.body["question"]
+    assert waiters.resubscriptions > resubscribed
+
+
 async def test_envelope_from_pubsub_wake_up_is_identical_to_fetch_with_unicode_content(
     api: Api, client: TestClient[object, object]
 ) -> None:

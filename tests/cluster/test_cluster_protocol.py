@@ -153,6 +153,32 @@ async def test_many_waiters_on_every_primary_use_one_connection_per_primary_and_
     assert {w.body["answer"]["option"] for w in woken} == {"yes"}
 
 
+async def test_waiter_sunsubscribed_under_it_subscribes_again_and_is_still_woken(
+    cluster_client: TestClient[object, object], cluster_api: Api
+) -> None:
+    """A SUNSUBSCRIBE under a parked waiter (a stray one of ours, or a slot that changed owner)
+    leaves it unsubscribed: it must subscribe again and re-read, not wait out its timeout."""
+    tokens = await setup_people(cluster_api)
+    question_id = (await cluster_api.ask(tokens["agent"], {"user": "alice"}))["id"]
+    waiting = asyncio.create_task(cluster_api.wait(tokens["agent"], question_id, 30))
+    await wait_for_waiters(cluster_client, 1)
+    waiters = cluster_client.server.app[WAITERS]
+    sharded = waiters._sharded
+    assert sharded is not None
+    resubscribed = waiters.resubscriptions
+
+    await sharded.sunsubscribe(cluster_client.server.app[STORE].channel(question_id))
+
+    async def healed() -> bool:
+        return waiters.resubscriptions > resubscribed
+
+    await eventually(healed, within=10, what="the waiter subscribed again")
+    answered = await cluster_api.answer(tokens["alice"], question_id, "yes")
+    async with asyncio.timeout(10):  # woken, not timed out (the wait runs 30 s)
+        woken = await waiting
+    assert woken.body == answered.body["question"]
+
+
 async def test_keyspace_listener_expires_questions_on_every_primary_without_the_sweeper(
     cluster_server: ClusterServer,
 ) -> None:
