@@ -177,7 +177,20 @@ class Bench:
             return None
         RESULTS.mkdir(parents=True, exist_ok=True)
         out = RESULTS / f"profile-{name}.txt"
-        args = [spy, "record", "-p", str(pid), "-d", str(int(self.cfg.seconds)), "-f", "raw", "-o", str(out)]
+        args = [
+            spy,
+            "record",
+            "-r",
+            "250",
+            "-p",
+            str(pid),
+            "-d",
+            str(int(self.cfg.seconds)),
+            "-f",
+            "raw",
+            "-o",
+            str(out),
+        ]
         return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def subprocess_json(self, module: str, job: dict[str, Any], timeout: float) -> dict[str, Any]:
