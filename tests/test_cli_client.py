@@ -15,8 +15,8 @@ import pytest
 
 from service.client import AsyncClient, User
 from service.settings import Settings
+from tests.live_service import FAST, Live, populate, serve
 from tests.redis_server import free_port
-from tests.test_sdk import FAST, Live, populate, serve
 
 ROOT = Path(__file__).resolve().parent.parent
 CONSOLE_SCRIPT = Path(sys.executable).parent / "question-service"

@@ -16,7 +16,7 @@ from mcp.types import CallToolResult, TextContent
 
 from service.client import AsyncClient, User
 from service.settings import Settings
-from tests.test_sdk import Live, new_questions, populate, serve
+from tests.live_service import Live, new_questions, populate, serve
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -4,7 +4,6 @@ ends (answered, cancelled, expired)."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import os
@@ -15,7 +14,6 @@ from typing import Any
 
 import http_ece
 import pytest
-from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -25,6 +23,7 @@ from service.http.app import create_app
 from service.settings import Settings
 from tests.api import Api
 from tests.conftest import ADMIN_TOKEN, close_client, test_settings
+from tests.receivers import Hit, RecordingReceiver, recording_receiver
 from tests.redis_server import RedisServer, free_port
 
 pytestmark = pytest.mark.redis
@@ -35,50 +34,11 @@ def b64url(raw: bytes) -> str:
     return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
 
 
-@dataclass
-class Hit:
-    path: str
-    headers: dict[str, str]
-    body: bytes
-
-
-@dataclass
-class Receivers:
-    """One aiohttp app standing in for an ntfy server, a push service and a relay."""
-
-    base: str = ""
-    hits: list[Hit] = field(default_factory=list)
-    arrived: asyncio.Event = field(default_factory=asyncio.Event)
-
-    async def handle(self, request: web.Request) -> web.Response:
-        self.hits.append(Hit(request.path, dict(request.headers), await request.read()))
-        self.arrived.set()
-        return web.Response(status=201 if request.path.startswith("/push") else 200)
-
-    async def at(self, path: str, count: int, within: float = 15.0) -> list[Hit]:
-        async def reached() -> list[Hit]:
-            while True:
-                found = [h for h in self.hits if h.path == path]
-                if len(found) >= count:
-                    return found
-                self.arrived.clear()
-                await self.arrived.wait()
-
-        return await asyncio.wait_for(reached(), within)
-
-
 @pytest.fixture
-async def receivers() -> AsyncIterator[Receivers]:
-    rec = Receivers()
-    app = web.Application()
-    app.router.add_route("POST", "/{tail:.*}", rec.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    rec.base = f"http://127.0.0.1:{port}"
-    yield rec
-    await runner.cleanup()
+async def receivers() -> AsyncIterator[RecordingReceiver]:
+    """One receiver standing in for an ntfy server, a push service (201 Created) and a relay."""
+    async with recording_receiver(lambda path: 201 if path.startswith("/push") else 200) as rec:
+        yield rec
 
 
 @pytest.fixture
@@ -139,7 +99,7 @@ async def post_action(api: Api, url: str) -> Any:
 
 
 async def test_channels_are_registered_listed_without_secrets_and_deleted(
-    service: tuple[Api, Settings], receivers: Receivers
+    service: tuple[Api, Settings], receivers: RecordingReceiver
 ) -> None:
     api, _ = service
     alice = await api.principal("alice", "user")
@@ -174,7 +134,7 @@ async def test_channels_are_registered_listed_without_secrets_and_deleted(
 
 
 async def test_a_ping_reaches_every_channel_with_working_buttons_and_is_withdrawn_when_answered(
-    service: tuple[Api, Settings], receivers: Receivers
+    service: tuple[Api, Settings], receivers: RecordingReceiver
 ) -> None:
     api, _ = service
     alice = await api.principal("alice", "user")
@@ -237,7 +197,7 @@ async def test_a_ping_reaches_every_channel_with_working_buttons_and_is_withdraw
 
 
 async def test_replayed_and_forged_action_links_are_refused_and_change_nothing(
-    service: tuple[Api, Settings], receivers: Receivers
+    service: tuple[Api, Settings], receivers: RecordingReceiver
 ) -> None:
     api, _ = service
     alice = await api.principal("alice", "user")
@@ -268,7 +228,7 @@ async def test_replayed_and_forged_action_links_are_refused_and_change_nothing(
 
 @pytest.mark.parametrize("ending", ["cancel", "expire"])
 async def test_a_room_question_pings_every_member_and_is_withdrawn_when_it_ends(
-    service: tuple[Api, Settings], receivers: Receivers, ending: str
+    service: tuple[Api, Settings], receivers: RecordingReceiver, ending: str
 ) -> None:
     api, _ = service
     tokens = {user: await api.principal(user, "user") for user in ("bob", "carol")}
@@ -293,7 +253,7 @@ async def test_a_room_question_pings_every_member_and_is_withdrawn_when_it_ends(
 
 
 async def test_a_room_members_action_link_answers_as_that_member(
-    service: tuple[Api, Settings], receivers: Receivers
+    service: tuple[Api, Settings], receivers: RecordingReceiver
 ) -> None:
     api, _ = service
     bob = await api.principal("bob", "user")

@@ -10,7 +10,6 @@ import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -23,7 +22,8 @@ from service.outbound import AddressRefused, GuardedResolver, OutboundPolicy, pa
 from service.settings import Settings
 from tests.api import Api
 from tests.conftest import ADMIN_TOKEN, close_client, start_client, test_settings
-from tests.redis_server import RedisServer, free_port
+from tests.receivers import RecordingReceiver, recording_receiver
+from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
 FAST = {
@@ -34,50 +34,10 @@ FAST = {
 }
 
 
-@dataclass
-class Received:
-    headers: dict[str, str]
-    body: bytes
-
-
-@dataclass
-class Receiver:
-    """Records every request; `reply` decides each answer (default 200)."""
-
-    url: str = ""
-    requests: list[Received] = field(default_factory=list)
-    reply: Callable[[int], Awaitable[web.Response]] | None = None
-    arrived: asyncio.Event = field(default_factory=asyncio.Event)
-
-    async def handle(self, request: web.Request) -> web.Response:
-        self.requests.append(Received(dict(request.headers), await request.read()))
-        self.arrived.set()
-        if self.reply is not None:
-            return await self.reply(len(self.requests))
-        return web.Response(status=200)
-
-    async def count(self, n: int, within: float = 15.0) -> None:
-        async def reached() -> None:
-            while len(self.requests) < n:
-                self.arrived.clear()
-                await self.arrived.wait()
-
-        await asyncio.wait_for(reached(), within)
-
-
 @pytest.fixture
-async def receiver() -> AsyncIterator[Receiver]:
-    rec = Receiver()
-    app = web.Application()
-    app.router.add_post("/hook", rec.handle)
-    app.router.add_get("/elsewhere", rec.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    rec.url = f"http://127.0.0.1:{port}/hook"
-    yield rec
-    await runner.cleanup()
+async def receiver() -> AsyncIterator[RecordingReceiver]:
+    async with recording_receiver() as rec:
+        yield rec
 
 
 @pytest.fixture
@@ -133,7 +93,7 @@ async def answered_question(api: Api, agent: str, user_id: str = "alice") -> dic
 
 
 async def test_registration_shows_the_secret_once_lists_without_it_rotates_and_deletes(
-    api_with: Callable[..., Awaitable[Api]], receiver: Receiver
+    api_with: Callable[..., Awaitable[Api]], receiver: RecordingReceiver
 ) -> None:
     api = await api_with()
     agent = await api.principal("deploybot", "agent")
@@ -187,15 +147,15 @@ async def test_registration_refuses_bad_and_private_urls_by_default(
 
 
 async def test_an_answer_is_delivered_once_signed_with_the_envelope_a_fetch_returns(
-    api_with: Callable[..., Awaitable[Api]], receiver: Receiver
+    api_with: Callable[..., Awaitable[Api]], receiver: RecordingReceiver
 ) -> None:
     api = await api_with()
     agent = await api.principal("deploybot", "agent")
     hook = await register(api, agent, receiver.url, ["question.answered"])
     final = await answered_question(api, agent)
     delivery = await settled(api, agent, hook["id"], "delivered")
-    assert len(receiver.requests) == 1
-    sent = receiver.requests[0]
+    assert len(receiver.hits) == 1
+    sent = receiver.hits[0]
     payload = Verifier(hook["secret"]).verify(sent.body, sent.headers)
     assert payload["type"] == "question.answered"
     assert payload["data"] == final == (await api.get(agent, final["id"])).body
@@ -205,7 +165,7 @@ async def test_an_answer_is_delivered_once_signed_with_the_envelope_a_fetch_retu
 
 
 async def test_only_subscribed_event_types_are_delivered(
-    api_with: Callable[..., Awaitable[Api]], receiver: Receiver
+    api_with: Callable[..., Awaitable[Api]], receiver: RecordingReceiver
 ) -> None:
     api = await api_with()
     agent = await api.principal("deploybot", "agent")
@@ -213,14 +173,14 @@ async def test_only_subscribed_event_types_are_delivered(
     created = await register(api, agent, receiver.url, ["question.created"])
     await answered_question(api, agent)
     await settled(api, agent, created["id"], "delivered")
-    assert [Verifier(created["secret"]).verify(r.body, r.headers)["type"] for r in receiver.requests] == [
+    assert [Verifier(created["secret"]).verify(r.body, r.headers)["type"] for r in receiver.hits] == [
         "question.created"
     ]
     assert await deliveries(api, agent, expired_only["id"]) == []
 
 
 async def test_a_failing_receiver_gets_retries_with_the_same_webhook_id_until_it_succeeds(
-    api_with: Callable[..., Awaitable[Api]], receiver: Receiver
+    api_with: Callable[..., Awaitable[Api]], receiver: RecordingReceiver
 ) -> None:
     async def fail_twice(n: int) -> web.Response:
         return web.Response(status=500 if n <= 2 else 204)
@@ -231,14 +191,14 @@ async def test_a_failing_receiver_gets_retries_with_the_same_webhook_id_until_it
     hook = await register(api, agent, receiver.url)
     await answered_question(api, agent)
     delivery = await settled(api, agent, hook["id"], "delivered")
-    assert len({r.headers["webhook-id"] for r in receiver.requests}) == 1
-    assert len(receiver.requests) == 3
+    assert len({r.headers["webhook-id"] for r in receiver.hits}) == 1
+    assert len(receiver.hits) == 3
     assert [a["status"] for a in delivery["history"]] == [500, 500, 204]
     assert delivery["history"][0]["error"] == "HTTP 500"
 
 
 async def test_a_receiver_that_answers_too_late_is_retried(
-    api_with: Callable[..., Awaitable[Api]], receiver: Receiver
+    api_with: Callable[..., Awaitable[Api]], receiver: RecordingReceiver
 ) -> None:
     async def slow_first(n: int) -> web.Response:
         if n == 1:
@@ -257,7 +217,7 @@ async def test_a_receiver_that_answers_too_late_is_retried(
 
 
 async def test_redirects_are_not_followed(
-    api_with: Callable[..., Awaitable[Api]], receiver: Receiver
+    api_with: Callable[..., Awaitable[Api]], receiver: RecordingReceiver
 ) -> None:
     async def redirect(n: int) -> web.Response:
         return web.Response(status=302, headers={"Location": receiver.url.replace("/hook", "/elsewhere")})
@@ -269,11 +229,11 @@ async def test_redirects_are_not_followed(
     await answered_question(api, agent)
     delivery = await settled(api, agent, hook["id"], "dead")
     assert delivery["history"][0]["status"] == 302
-    assert len(receiver.requests) == 1  # the redirect's target was never asked
+    assert len(receiver.hits) == 1  # the redirect's target was never asked
 
 
 async def test_after_the_last_attempt_a_delivery_is_dead_lettered_and_an_admin_can_replay_it(
-    api_with: Callable[..., Awaitable[Api]], receiver: Receiver
+    api_with: Callable[..., Awaitable[Api]], receiver: RecordingReceiver
 ) -> None:
     healthy = False
 
@@ -287,7 +247,7 @@ async def test_after_the_last_attempt_a_delivery_is_dead_lettered_and_an_admin_c
     await answered_question(api, agent)
     dead = await settled(api, agent, hook["id"], "dead")
     assert dead["attempts"] == 3
-    assert len(receiver.requests) == 3
+    assert len(receiver.hits) == 3
     assert (await api.call("GET", "/v1/admin/deadletters", agent)).status == 403
     metrics = (await api.call("GET", "/metrics")).body.decode()
     assert "qs_dead_letters 1.0" in metrics
@@ -301,14 +261,14 @@ async def test_after_the_last_attempt_a_delivery_is_dead_lettered_and_an_admin_c
     assert replayed.body["delivery"]["status"] == "pending"
     delivered = await settled(api, agent, hook["id"], "delivered")
     assert delivered["id"] == dead["id"]
-    assert receiver.requests[-1].headers["webhook-id"] == dead["id"]
+    assert receiver.hits[-1].headers["webhook-id"] == dead["id"]
     assert (await api.call("GET", "/v1/admin/deadletters", api.admin)).body["deliveries"] == []
     again = await api.call("POST", f"/v1/admin/deadletters/{dead['id']}/replay", api.admin)
     assert again.status == 404
 
 
 async def test_the_sender_refuses_private_addresses_unless_allow_listed(
-    api_with: Callable[..., Awaitable[Api]], redis_server: RedisServer, receiver: Receiver
+    api_with: Callable[..., Awaitable[Api]], redis_server: RedisServer, receiver: RecordingReceiver
 ) -> None:
     """Registered where loopback was allowed, sent by a process where it is not: refused at send
     time (the check is on the address connected to), and the receiver never sees a request."""
@@ -320,7 +280,7 @@ async def test_the_sender_refuses_private_addresses_unless_allow_listed(
     await answered_question(api, agent)
     dead = await settled(api, agent, hook["id"], "dead")
     assert dead["history"][0]["error"].startswith("refused")
-    assert receiver.requests == []
+    assert receiver.hits == []
 
 
 @pytest.mark.parametrize(
@@ -363,7 +323,7 @@ async def test_a_name_resolving_to_loopback_is_refused_by_the_resolver() -> None
 
 
 async def test_a_sender_killed_between_send_and_record_leaves_the_delivery_to_another(
-    api_with: Callable[..., Awaitable[Api]], redis_server: RedisServer, receiver: Receiver
+    api_with: Callable[..., Awaitable[Api]], redis_server: RedisServer, receiver: RecordingReceiver
 ) -> None:
     """kill -9 of a worker while its POST is in flight: after the lease, another worker sends the
     same delivery again (same webhook-id) and records it; nothing is lost."""
@@ -392,7 +352,7 @@ async def test_a_sender_killed_between_send_and_record_leaves_the_delivery_to_an
     second: asyncio.subprocess.Process | None = None
     try:
         await answered_question(api, agent)
-        await receiver.count(1)
+        await receiver.at(None, 1)
         first.send_signal(signal.SIGKILL)
         await asyncio.wait_for(first.wait(), 10)
         release.set()
@@ -404,13 +364,13 @@ async def test_a_sender_killed_between_send_and_record_leaves_the_delivery_to_an
             if proc is not None and proc.returncode is None:
                 proc.kill()
                 await asyncio.wait_for(proc.wait(), 10)
-    assert len(receiver.requests) == 2
-    assert {r.headers["webhook-id"] for r in receiver.requests} == {delivery["id"]}
+    assert len(receiver.hits) == 2
+    assert {r.headers["webhook-id"] for r in receiver.hits} == {delivery["id"]}
     assert delivery["attempts"] == 1  # the killed worker never recorded its attempt
 
 
 async def test_a_questions_own_webhook_url_gets_its_terminal_event_signed_with_its_secret(
-    api_with: Callable[..., Awaitable[Api]], receiver: Receiver
+    api_with: Callable[..., Awaitable[Api]], receiver: RecordingReceiver
 ) -> None:
     api = await api_with()
     agent = await api.principal("deploybot", "agent")
@@ -432,8 +392,8 @@ async def test_a_questions_own_webhook_url_gets_its_terminal_event_signed_with_i
     assert replayed.status == 200
     assert replayed.headers["Webhook-Secret"] == secret
     final = (await api.answer(user, created.body["id"], "no")).body["question"]
-    await receiver.count(1)
-    payload = Verifier(secret).verify(receiver.requests[0].body, receiver.requests[0].headers)
+    await receiver.at(None, 1)
+    payload = Verifier(secret).verify(receiver.hits[0].body, receiver.hits[0].headers)
     assert payload["type"] == "question.answered"
     assert payload["data"] == final
     private = {**body, "webhook_url": "http://192.168.0.10/hook"}
@@ -442,7 +402,7 @@ async def test_a_questions_own_webhook_url_gets_its_terminal_event_signed_with_i
 
 
 async def test_deliveries_go_on_after_script_flush(
-    api_with: Callable[..., Awaitable[Api]], receiver: Receiver, redis_server: RedisServer
+    api_with: Callable[..., Awaitable[Api]], receiver: RecordingReceiver, redis_server: RedisServer
 ) -> None:
     """NOSCRIPT: the fan-out and the sender load their scripts again by themselves."""
     api = await api_with()
