@@ -17,6 +17,7 @@ import asyncio
 import calendar
 import json
 import random
+import re
 import sys
 import tempfile
 import time
@@ -408,6 +409,15 @@ class Soak:
                 )
         return s
 
+    async def process(self, service: ServiceProc) -> dict[str, int]:
+        """The service's RSS, and the questions its bounded target cache holds (qs_cache_entries):
+        that cache grows the RSS by ~350 B per entry until it is full (docs/operations.md)."""
+        assert self.session is not None
+        async with self.session.get(self.url + "/metrics") as reply:
+            text = await reply.text()
+        found = re.search(r'^qs_cache_entries\{cache="question_targets"\} (\S+)$', text, re.M)
+        return {"rss_kib": status_kib(service.pid), "cached_targets": int(float(found[1])) if found else -1}
+
     async def memory(self) -> dict[str, int]:
         """Redis used_memory and what its keys account for, by kind."""
         info = await self.redis.info("memory")
@@ -462,7 +472,7 @@ async def drive(
 ) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     tasks: set[asyncio.Task[None]] = set()
-    snapshots = {"start": {**await soak.memory(), "rss_kib": status_kib(service.pid)}}
+    snapshots = {"start": {**await soak.memory(), **await soak.process(service)}}
     start = loop.time()
     next_tick, next_stats, half_done = start, start + STATS_EVERY, False
     while loop.time() < start + seconds:
@@ -477,7 +487,7 @@ async def drive(
             next_stats += STATS_EVERY
         if not half_done and loop.time() >= start + seconds / 2:
             half_done = True
-            snapshots["half"] = {**await soak.memory(), "rss_kib": status_kib(service.pid)}
+            snapshots["half"] = {**await soak.memory(), **await soak.process(service)}
         if not service.alive():
             soak.tally.violate("the service process died:\n" + service.log_tail())
             break
@@ -490,7 +500,7 @@ async def drive(
     for q in list(soak.questions.values()):
         if q.terminal_wire is None:
             await soak.cancel(q, "final cancel")
-    snapshots["end"] = {**await soak.memory(), "rss_kib": status_kib(service.pid)}
+    snapshots["end"] = {**await soak.memory(), **await soak.process(service)}
     stats = await soak.check_stats(final=True)
     channels = await waiter_channels(soak)
     if channels:
@@ -515,7 +525,8 @@ def mib(n: int) -> str:
 
 def memory_line(when: str, m: dict[str, int]) -> str:
     return (
-        f"{when:>5}: service RSS {m['rss_kib'] / 1024:.1f} MiB; Redis used_memory {mib(m['used_memory'])}"
+        f"{when:>5}: service RSS {m['rss_kib'] / 1024:.1f} MiB"
+        f" ({m['cached_targets']} cached question targets); Redis used_memory {mib(m['used_memory'])}"
         f" = keys {mib(m['keys_bytes'])} (questions {m['question_hashes']}: {mib(m['questions_bytes'])},"
         f" streams {m['stream_entries']} entries: {mib(m['streams_bytes'])}, other {mib(m['other_bytes'])})"
         f" + not in keys {mib(m['used_memory'] - m['keys_bytes'])}"

@@ -11,7 +11,7 @@ import hmac
 import re
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
@@ -56,6 +56,10 @@ class Directory:
         # Principals and rooms are never deleted, so a positive answer stays true.
         self._principals: Cache[Principal] = Cache(50_000)
         self._rooms: Cache[bool] = Cache(10_000)
+
+    def caches(self) -> dict[str, Sized]:
+        """The in-process caches by name, for qs_cache_entries."""
+        return {"tokens": self.cache, "principals": self._principals, "room_members": self._rooms}
 
     # -- principals -----------------------------------------------------------------------------
 

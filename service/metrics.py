@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sized
 from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
@@ -172,6 +172,7 @@ class Metrics:
         self.relay: _Relay | None = None
         self.sender: _Sender | None = None
         self.coalescer: _Coalescer | None = None
+        self.caches: dict[str, Sized] = {}  # bounded in-process caches, by name
         self._http: dict[tuple[str, str, int], tuple[Any, Any]] = {}
         self._scripts: dict[str, Any] = {}
         self._outcomes: dict[tuple[str, str], Any] = {}
@@ -305,6 +306,13 @@ class _LiveCollector(Collector):
             waiters.resubscriptions if waiters else 0,
         )  # fmt: skip
         yield _gauge("qs_sse_streams", "Open Server-Sent-Events streams.", m.hub.connections if m.hub else 0)
+        caches = GaugeMetricFamily(
+            "qs_cache_entries", "Entries in each bounded in-process cache (see docs/operations.md).",
+            labels=["cache"],
+        )  # fmt: skip
+        for name, cache in sorted(m.caches.items()):
+            caches.add_metric([name], len(cache))
+        yield caches
         sweeper = m.sweeper
         yield _counter("qs_sweeper_runs", "Completed sweep passes.", sweeper.totals.passes if sweeper else 0)
         yield _counter(

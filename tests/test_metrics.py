@@ -28,6 +28,7 @@ NAMED = {
     "qs_waiters": "gauge",
     "qs_waiter_channels": "gauge",
     "qs_sse_streams": "gauge",
+    "qs_cache_entries": "gauge",
     "qs_asyncio_tasks": "gauge",
     "qs_wake_latency_seconds": "histogram",
     "qs_redis_call_duration_seconds": "histogram",
@@ -96,6 +97,22 @@ async def test_an_answer_adds_one_applied_answered_transition(api: Api) -> None:
         name, labels = "qs_transitions_total", {"kind": "answered", "result": result}
         assert value(after, name, **labels) - value(before, name, **labels) == added
     assert value(after, "qs_transitions_total", kind="created", result="applied") >= 1
+
+
+async def test_cache_entries_count_each_question_the_process_remembers(api: Api) -> None:
+    agent, alice = await people(api)
+    before = await scrape(api.client)
+    questions = [await api.ask(agent, {"user": "alice"}) for _ in range(3)]
+    await api.answer(alice, questions[0]["id"], "yes")
+    after = await scrape(api.client)
+
+    added = value(after, "qs_cache_entries", cache="question_targets") - value(
+        before, "qs_cache_entries", cache="question_targets"
+    )
+    assert added == 3
+    assert {"tokens", "principals", "room_members"} <= {
+        dict(labels)["cache"] for name, labels in after if name == "qs_cache_entries"
+    }
 
 
 async def test_http_requests_are_labelled_by_route_template_never_by_raw_path(api: Api) -> None:

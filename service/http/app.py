@@ -163,6 +163,7 @@ async def observability_ctx(app: web.Application) -> AsyncIterator[None]:
     metrics.sweeper, metrics.listener, metrics.relay = app[SWEEPER], app[LISTENER], app[RELAY]
     metrics.sender = app[DELIVERY_WORKERS].sender
     metrics.coalescer = app[SCRIPTS].coalescer
+    metrics.caches = {**app[DIRECTORY].caches(), "question_targets": app[QUESTIONS].targets}
     app[WAITERS].metrics = metrics
     await check_redis_at_start(app)
     runner = await metrics_site(app)
