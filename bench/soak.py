@@ -421,6 +421,7 @@ class Soak:
     async def memory(self) -> dict[str, int]:
         """Redis used_memory and what its keys account for, by kind."""
         info = await self.redis.info("memory")
+        scan_started_ms = await self.redis_ms()  # the scan below can take seconds: keep both ends
         sizes: Counter[str] = Counter()
         counts: Counter[str] = Counter()
         keys = [key async for key in self.redis.scan_iter(count=1000)]
@@ -445,6 +446,7 @@ class Soak:
             **{f"{k}_bytes": sizes[k] for k in ("questions", "streams", "other")},
             "question_hashes": counts["questions"],
             "stream_entries": entries,
+            "scan_started_ms": scan_started_ms,
             "redis_ms": await self.redis_ms(),
         }
 
@@ -535,11 +537,12 @@ def memory_line(when: str, m: dict[str, int]) -> str:
 
 def retention_explains(soak: Soak, end: dict[str, int]) -> tuple[int, int]:
     """How many question hashes the retention window explains at the end: those resolved
-    within it must still be there; those resolved before it (plus a sweep's slack) must not."""
-    now, window = end["redis_ms"], soak.retention_ms
+    within it must still be there; those resolved before it (plus a sweep's slack) must not.
+    The hashes were counted between the scan's start and end, so each bound takes its own end."""
+    window = soak.retention_ms
     resolved = [q.resolved_ms for q in soak.questions.values() if q.terminal_wire is not None]
-    must = sum(r > now - window + 1000 for r in resolved)
-    may = sum(r > now - window - 3000 for r in resolved)
+    must = sum(r > end["redis_ms"] - window + 1000 for r in resolved)
+    may = sum(r > end["scan_started_ms"] - window - 3000 for r in resolved)
     return must, may
 
 
