@@ -49,6 +49,11 @@ class QuestionService:
         self.targets.put(question.id, question.target)
         return question
 
+    def _learn_for(self, reader: Principal, question: Question) -> Question:
+        """Remember the target when the reader may answer next (a user); an asker's fetches and
+        long polls would only fill the cache (and every parked waiter's memory) for nothing."""
+        return self._learn(question) if reader.kind is Kind.USER else question
+
     # -- ask ------------------------------------------------------------------------------------
 
     async def ask(self, asker: Principal, body: Ask, idempotency_key: str | None) -> tuple[Question, bool]:
@@ -99,7 +104,7 @@ class QuestionService:
         question = await self.store.read(question_id) if QUESTION_ID.match(question_id) else None
         if question is None or not await self.visible(principal, question):
             raise NotFound(f"no question {question_id!r}")
-        return self._learn(question)
+        return self._learn_for(principal, question)
 
     async def visible(self, principal: Principal, question: Question) -> bool:
         if principal.kind is Kind.ADMIN or principal.id == question.asker:
@@ -143,7 +148,7 @@ class QuestionService:
                 missing.append(question.id)
         if missing:
             raise NotFound(f"no questions {sorted(missing)}")
-        return [self._learn(found[q_id]) for q_id in question_ids]
+        return [self._learn_for(principal, found[q_id]) for q_id in question_ids]
 
     async def list_page(
         self,

@@ -54,11 +54,40 @@ async def _parked(
     here too, not only by the surrounding asyncio.timeout: that cancels the task once, and on
     Python 3.11 an asyncio.wait_for inside redis-py (a SUBSCRIBE's send) swallows the cancel
     when it lands as the send completes, which would park the waiter until the question ends."""
-    remaining = deadline - asyncio.get_running_loop().time()
+    loop = asyncio.get_running_loop()
+    remaining = deadline - loop.time()
     if remaining <= 0:
         return {f for f in futures if f.done()}
+    if len(futures) == 1:
+        return await _parked_one(futures[0], deadline, loop)
     done, _ = await asyncio.wait(futures, timeout=remaining, return_when=when)
     return done
+
+
+async def _parked_one(
+    future: asyncio.Future[Fields], deadline: float, loop: asyncio.AbstractEventLoop
+) -> set[asyncio.Future[Fields]]:
+    """The common case, with one timer instead of asyncio.wait's set, callbacks, waiter future
+    and timer (about 0.6 KiB less per parked request, by tracemalloc). Either the deadline or
+    the question's future wakes `woken`; the question's future is left for _resolve and _leave."""
+    woken: asyncio.Future[None] = loop.create_future()
+
+    def on_resolved(_: asyncio.Future[Fields]) -> None:
+        _set_if_pending(woken)
+
+    timer = loop.call_at(deadline, _set_if_pending, woken)
+    future.add_done_callback(on_resolved)
+    try:
+        await woken
+    finally:
+        timer.cancel()
+        future.remove_done_callback(on_resolved)
+    return {future} if future.done() else set()
+
+
+def _set_if_pending(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 @dataclass(slots=True)

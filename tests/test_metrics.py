@@ -12,7 +12,7 @@ from aiohttp.test_utils import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
-from service.http.appkeys import RELAY, SWEEPER
+from service.http.appkeys import QUESTIONS, RELAY, SWEEPER
 from service.settings import MEMORY_URL
 from tests.api import Api
 from tests.conftest import ADMIN_TOKEN, close_client, start_client
@@ -113,6 +113,21 @@ async def test_cache_entries_count_each_question_the_process_remembers(api: Api)
     assert {"tokens", "principals", "room_members"} <= {
         dict(labels)["cache"] for name, labels in after if name == "qs_cache_entries"
     }
+
+
+async def test_only_a_users_reads_fill_the_target_cache_not_an_askers_fetches_and_waits(api: Api) -> None:
+    """The cache saves an answerer a script call; an asker's long polls must not fill it (every
+    parked waiter would hold an entry)."""
+    agent, alice = await people(api)
+    question = await api.ask(agent, {"user": "alice"})
+    targets = api.client.server.app[QUESTIONS].targets
+    targets.drop(question["id"])  # as if another process had created it
+
+    await api.get(agent, question["id"])
+    await api.wait(agent, question["id"], 0.1)
+    assert targets.get(question["id"]) is None
+    await api.get(alice, question["id"])
+    assert targets.get(question["id"]) is not None
 
 
 async def test_http_requests_are_labelled_by_route_template_never_by_raw_path(api: Api) -> None:
