@@ -297,12 +297,6 @@ class Waiters:
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 await backoff.failed(exc)
                 continue
-            if backoff.failures:
-                # A read failed: a message may have died with its connection. redis-py's
-                # resubscribe confirmations re-read their channels; this covers every other one.
-                for entry in list(self._channels.values()):
-                    if entry.futures:
-                        self._spawn(self._reread(entry))
             backoff.succeeded()
             if message is not None:
                 self._dispatch(message)
