@@ -41,8 +41,8 @@ class QuestionService:
         self.directory = directory
         self.waiters = waiters
         # Whom a question is aimed at never changes: knowing it saves a room answer one script
-        # call (direct answers need none). Small on purpose: the soak measured ~0.7 KiB of RSS
-        # per entry, so 10,000 recent questions cost ~7 MiB; older ones take the two-call path.
+        # call (direct answers need none). Small on purpose: the soak measured ~0.45 KiB of RSS
+        # per entry, so 10,000 recent questions cost ~5 MiB; older ones take the two-call path.
         self.targets: Cache[Target] = Cache(10_000)
 
     def _learn(self, question: Question) -> Question:
