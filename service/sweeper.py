@@ -139,7 +139,7 @@ class KeyspaceListener:
                 if message is not None:
                     await self._on_expired(message["data"])
         finally:
-            await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await pubsub.aclose()
 
     async def _listen_cluster(self, cluster: RedisCluster, backoff: Backoff) -> None:
         """Every primary's expiry events; the topology is re-read on a timer and after errors."""

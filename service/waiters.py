@@ -132,7 +132,7 @@ class Waiters:
     async def stop(self) -> None:
         self._stopping = True
         await stop_tasks([t for t in (self._reader, *self._background) if t is not None])
-        await self._pubsub.aclose()  # type: ignore[no-untyped-call]
+        await self._pubsub.aclose()
 
     async def wait(self, question_id: str, timeout: float) -> Question | None:
         """The question once terminal, or None when `timeout` passes first (or it vanished)."""
