@@ -16,9 +16,8 @@ re-read.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -47,47 +46,44 @@ SHARDED_POLL_SECONDS = 0.02
 _PLAIN_KIND = {"smessage": "message", "ssubscribe": "subscribe", "sunsubscribe": "unsubscribe"}
 
 
+_Joined = list[tuple[str, "_Channel", "asyncio.Future[Fields]"]]
+# What a parked waiter's own future is set to when its deadline passes first.
+_TIMED_OUT: Fields = {}
+
+
 async def _parked(
     futures: Sequence[asyncio.Future[Fields]], deadline: float, when: str
 ) -> set[asyncio.Future[Fields]]:
-    """The futures done by `deadline` (loop time), waiting as `when` says. The deadline is kept
-    here too, not only by the surrounding asyncio.timeout: that cancels the task once, and on
-    Python 3.11 an asyncio.wait_for inside redis-py (a SUBSCRIBE's send) swallows the cancel
-    when it lands as the send completes, which would park the waiter until the question ends."""
-    loop = asyncio.get_running_loop()
-    remaining = deadline - loop.time()
+    """The futures done by `deadline` (loop time), waiting as `when` says. The deadline is the
+    only bound here: parking runs after the asyncio.timeout that bounded the subscribe and read,
+    so a parked request holds no Timeout (and on Python 3.11 an asyncio.wait_for inside redis-py,
+    a SUBSCRIBE's send, could swallow that timeout's one cancel anyway)."""
+    remaining = deadline - asyncio.get_running_loop().time()
     if remaining <= 0:
         return {f for f in futures if f.done()}
-    if len(futures) == 1:
-        return await _parked_one(futures[0], deadline, loop)
     done, _ = await asyncio.wait(futures, timeout=remaining, return_when=when)
     return done
 
 
-async def _parked_one(
+async def _parked_alone(
     future: asyncio.Future[Fields], deadline: float, loop: asyncio.AbstractEventLoop
-) -> set[asyncio.Future[Fields]]:
-    """The common case, with one timer instead of asyncio.wait's set, callbacks, waiter future
-    and timer (about 0.6 KiB less per parked request, by tracemalloc). Either the deadline or
-    the question's future wakes `woken`; the question's future is left for _resolve and _leave."""
-    woken: asyncio.Future[None] = loop.create_future()
-
-    def on_resolved(_: asyncio.Future[Fields]) -> None:
-        _set_if_pending(woken)
-
-    timer = loop.call_at(deadline, _set_if_pending, woken)
-    future.add_done_callback(on_resolved)
-    try:
-        await woken
-    finally:
-        timer.cancel()
-        future.remove_done_callback(on_resolved)
-    return {future} if future.done() else set()
-
-
-def _set_if_pending(future: asyncio.Future[None]) -> None:
+) -> Fields | None:
+    """The common case: the terminal fields, or None when `deadline` passes first. The waiter's
+    future is its own, so the deadline's timer settles it directly: one timer and no helper
+    future, callback or set per parked request (tracemalloc counts each)."""
     if not future.done():
-        future.set_result(None)
+        timer = loop.call_at(deadline, _set_if_pending, future, _TIMED_OUT)
+        try:
+            await future
+        finally:
+            timer.cancel()
+    fields = future.result()
+    return None if fields is _TIMED_OUT else fields
+
+
+def _set_if_pending(future: asyncio.Future[Any], result: Any = None) -> None:
+    if not future.done():
+        future.set_result(result)
 
 
 @dataclass(slots=True)
@@ -95,7 +91,14 @@ class _Channel:
     question_id: str
     futures: set[asyncio.Future[Fields]] = field(default_factory=set)
     pending_subscribes: int = 0
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    # Pending while a SUBSCRIBE awaits Redis's confirmation, None once confirmed: a future made
+    # per subscribe, not an asyncio.Event per channel (whose deque alone is ~0.75 KiB).
+    ready: asyncio.Future[None] | None = None
+
+    def confirmed(self) -> None:
+        if self.ready is not None:
+            _set_if_pending(self.ready)
+            self.ready = None
 
 
 class Waiters:
@@ -126,6 +129,11 @@ class Waiters:
     def channels(self) -> int:
         return len(self._channels)
 
+    @property
+    def confirming(self) -> int:
+        """Channels whose SUBSCRIBE Redis has not confirmed yet."""
+        return sum(1 for c in self._channels.values() if c.ready is not None)
+
     async def start(self) -> None:
         self._reader = asyncio.create_task(self._read_loop(), name="waiters-reader")
 
@@ -136,81 +144,94 @@ class Waiters:
 
     async def wait(self, question_id: str, timeout: float) -> Question | None:
         """The question once terminal, or None when `timeout` passes first (or it vanished)."""
-        deadline = asyncio.get_running_loop().time() + timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        joined, fresh = self._join([question_id])
         try:
-            async with asyncio.timeout_at(deadline), self._watching([question_id]) as futures:
+            async with asyncio.timeout_at(deadline):
+                await self._confirmed(joined, fresh)
                 question = await self._store.read(question_id)
-                if question is None or question.state.terminal:
-                    return question
-                del question  # parked: hold nothing but the future
-                if not await _parked([futures[question_id]], deadline, asyncio.FIRST_COMPLETED):
-                    return None
-                fields = futures[question_id].result()
-                if self.metrics is not None:
-                    self.metrics.woke(fields.get("resolved_ms"))
-                return Question(fields)
+            if question is None or question.state.terminal:
+                return question
+            del question  # parked: hold nothing but the future
+            fields = await _parked_alone(joined[0][2], deadline, loop)
+            if fields is None:
+                return None
+            if self.metrics is not None:
+                self.metrics.woke(fields.get("resolved_ms"))
+            return Question(fields)
         except TimeoutError:
             return None
+        finally:
+            self._leave_all(joined)
 
     async def wait_many(self, question_ids: Sequence[str], timeout: float, *, every: bool) -> None:
         """Return when any (every=False) or every (every=True) one of the questions is terminal
         or gone, or when `timeout` passes. The caller reads the outcome: the hash is the truth."""
         deadline = asyncio.get_running_loop().time() + timeout
+        joined, fresh = self._join(question_ids)
+        futures = {entry.question_id: future for _, entry, future in joined}
         try:
-            async with asyncio.timeout_at(deadline), self._watching(question_ids) as futures:
+            async with asyncio.timeout_at(deadline):
+                await self._confirmed(joined, fresh)
                 questions = await self._store.read_many(question_ids)
-                open_ids = [
-                    q_id
-                    for q_id, q in zip(question_ids, questions, strict=True)
-                    if q is not None and not q.state.terminal
-                ]
-                if not open_ids or (not every and len(open_ids) < len(questions)):
-                    return
-                when = asyncio.ALL_COMPLETED if every else asyncio.FIRST_COMPLETED
-                done = await _parked([futures[q_id] for q_id in open_ids], deadline, when)
-                if not done or (every and len(done) < len(open_ids)):
-                    return  # the timeout passed first
-                if self.metrics is not None:
-                    # The condition was met by the latest of these to resolve.
-                    resolved = [f.result().get("resolved_ms") or "0" for f in done]
-                    self.metrics.woke(max(resolved, key=int, default=None))
+            open_ids = [
+                q_id
+                for q_id, q in zip(question_ids, questions, strict=True)
+                if q is not None and not q.state.terminal
+            ]
+            if not open_ids or (not every and len(open_ids) < len(questions)):
+                return
+            when = asyncio.ALL_COMPLETED if every else asyncio.FIRST_COMPLETED
+            done = await _parked([futures[q_id] for q_id in open_ids], deadline, when)
+            if not done or (every and len(done) < len(open_ids)):
+                return  # the timeout passed first
+            if self.metrics is not None:
+                # The condition was met by the latest of these to resolve.
+                resolved = [f.result().get("resolved_ms") or "0" for f in done]
+                self.metrics.woke(max(resolved, key=int, default=None))
         except TimeoutError:
             return
-
-    @contextlib.asynccontextmanager
-    async def _watching(
-        self, question_ids: Sequence[str]
-    ) -> AsyncIterator[dict[str, asyncio.Future[Fields]]]:
-        """Subscribed (confirmed by Redis) to every question's channel for the duration."""
-        loop = asyncio.get_running_loop()
-        joined: list[tuple[str, _Channel, asyncio.Future[Fields]]] = []
-        futures: dict[str, asyncio.Future[Fields]] = {}
-        try:
-            fresh = []
-            for question_id in dict.fromkeys(question_ids):
-                channel = self._store.channel(question_id)
-                entry = self._channels.get(channel)
-                if entry is None:
-                    entry = self._channels[channel] = _Channel(question_id)
-                future: asyncio.Future[Fields] = loop.create_future()
-                if not entry.futures:
-                    fresh.append((channel, entry))
-                entry.futures.add(future)
-                joined.append((channel, entry, future))
-                futures[question_id] = future
-            if fresh:
-                await self._subscribe(fresh)
-            for _, entry, _ in joined:
-                await entry.ready.wait()
-            yield futures
         finally:
-            for channel, entry, future in joined:
-                self._leave(channel, entry, future)
+            self._leave_all(joined)
+
+    def _join(self, question_ids: Sequence[str]) -> tuple[_Joined, list[tuple[str, _Channel]]]:
+        """A future of this request's own on every question's channel, and the channels nobody
+        waited on until now (to subscribe)."""
+        loop = asyncio.get_running_loop()
+        joined: _Joined = []
+        fresh: list[tuple[str, _Channel]] = []
+        for question_id in dict.fromkeys(question_ids):
+            channel = self._store.channel(question_id)
+            entry = self._channels.get(channel)
+            if entry is None:
+                entry = self._channels[channel] = _Channel(question_id)
+            if not entry.futures:
+                fresh.append((channel, entry))
+            future: asyncio.Future[Fields] = loop.create_future()
+            entry.futures.add(future)
+            joined.append((channel, entry, future))
+        return joined, fresh
+
+    async def _confirmed(self, joined: _Joined, fresh: Sequence[tuple[str, _Channel]]) -> None:
+        """Subscribed (confirmed by Redis) to every joined channel: only then is a read safe."""
+        if fresh:
+            await self._subscribe(fresh)
+        for _, entry, _ in joined:
+            if entry.ready is not None:
+                # Shielded: the future is shared by every request joining during the subscribe.
+                await asyncio.shield(entry.ready)
+
+    def _leave_all(self, joined: _Joined) -> None:
+        for channel, entry, future in joined:
+            self._leave(channel, entry, future)
 
     async def _subscribe(self, fresh: Sequence[tuple[str, _Channel]]) -> None:
+        loop = asyncio.get_running_loop()
         for _, entry in fresh:
             entry.pending_subscribes += 1
-            entry.ready.clear()
+            if entry.ready is None:
+                entry.ready = loop.create_future()
         if self._sharded is not None:
             self._spawn(self._ssubscribe(fresh))
             self._connected.set()
@@ -248,7 +269,7 @@ class Waiters:
             for _, entry in fresh:
                 entry.pending_subscribes -= 1
                 if entry.pending_subscribes == 0:
-                    entry.ready.set()
+                    entry.confirmed()
 
     def _count_reconnects(self) -> None:
         """redis-py reconnects the pub/sub connection by itself (and resubscribes); its connect
@@ -338,7 +359,7 @@ class Waiters:
             elif entry.pending_subscribes > 0:
                 entry.pending_subscribes -= 1
                 if entry.pending_subscribes == 0:
-                    entry.ready.set()
+                    entry.confirmed()
             elif entry.futures:
                 # A confirmation nobody asked for: redis-py resubscribed after a reconnect, or
                 # _resubscribe below. A publish may have come and gone meanwhile: read again.
