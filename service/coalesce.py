@@ -4,6 +4,9 @@ A request handler awaits its own future; the flush sends the whole batch without
 call's error never touches another's reply. A NOSCRIPT reply (Redis restarted or failed over)
 reloads that script and resends just the calls that got it. Pool checkouts, socket writes and
 reads are paid once per batch instead of once per call, which is where redis-py spends its time.
+On one Redis node a batch goes through `exchange` (also the event relay's writer): packed by
+hiredis, written at once, its replies read under one timeout. That halved the CPU of a coalesced
+call (29 -> 16 µs per fetch call, 64 at once) against redis-py's Pipeline.
 
 On a Redis Cluster the batch is a ClusterPipeline: redis-py splits it by node, sends each part on
 one connection, follows MOVED/ASK per call, and retries the whole batch on a new topology after a
@@ -138,27 +141,13 @@ class Coalescer:
         return replies[: len(calls)]
 
     async def _exchange(self, calls: Sequence[_Call]) -> list[Any]:
-        """One node: the batch written at once and its replies read under one timeout, on one
-        pooled connection. redis-py's Pipeline costs about twice as much per call (a command
-        stack, argument encoding in Python, a timeout context per reply); here hiredis' C packer
-        packs each call. A connection error or timeout re-sends the whole batch through the
-        client's Retry, as the Pipeline did: every script is re-run safe (call ids)."""
-        packed = [pack_command(("EVALSHA", c.sha, len(c.keys), *c.keys, *c.args)) for c in calls]
+        """One node: the batch through `exchange`, the WAIT (when asked for) at its end."""
+        commands: list[tuple[Any, ...]] = [("EVALSHA", c.sha, len(c.keys), *c.keys, *c.args) for c in calls]
         wait = self._wait_args(calls)
         if wait is not None:
-            packed.append(pack_command(wait))
-        pool: Any = self.redis.connection_pool  # redis-py types get_connection loosely
-        connection = await pool.get_connection()
-        try:
-            budget = connection.socket_timeout
-            if budget is not None and wait is not None:
-                budget += wait[2] / 1000  # WAIT blocks up to its own timeout
-            replies: list[Any] = await connection.retry.call_with_retry(
-                lambda: _send_and_read(connection, packed, budget),
-                lambda _error: connection.disconnect(),
-            )
-        finally:
-            await pool.release(connection)
+            commands.append(wait)
+        # WAIT blocks up to its own timeout, on top of the batch's socket timeout.
+        replies = await exchange(self.redis, commands, extra_seconds=wait[2] / 1000 if wait else 0.0)
         if wait is not None:
             self._check_waits(replies[len(calls) :], ["redis"])
         return replies[: len(calls)]
@@ -204,6 +193,31 @@ class Coalescer:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def exchange(
+    redis: Redis, commands: Sequence[tuple[Any, ...]], *, extra_seconds: float = 0.0
+) -> list[Any]:
+    """One Redis node, no MULTI: the commands written at once on one pooled connection and their
+    replies read under one timeout; each error reply comes back in its place as its exception.
+    redis-py's Pipeline costs about twice as much per command (a command stack, arguments
+    encoded in Python, a timeout context per reply); hiredis' C packer packs these. A connection
+    error or timeout drops the connection and re-sends everything through the client's Retry, as
+    the Pipeline did: callers send only commands that are safe to repeat."""
+    packed = [pack_command(command) for command in commands]
+    pool: Any = redis.connection_pool  # redis-py types get_connection loosely
+    connection = await pool.get_connection()
+    try:
+        budget = connection.socket_timeout
+        if budget is not None:
+            budget += extra_seconds
+        replies: list[Any] = await connection.retry.call_with_retry(
+            lambda: _send_and_read(connection, packed, budget),
+            lambda _error: connection.disconnect(),
+        )
+    finally:
+        await pool.release(connection)
+    return replies
 
 
 async def _send_and_read(connection: Any, packed: list[bytes], budget: float | None) -> list[Any]:

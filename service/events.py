@@ -28,6 +28,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from service.backoff import Backoff, stop_tasks
+from service.coalesce import exchange
 from service.keys import Keys
 from service.model import envelope, to_json
 from service.outbox import Entries, OutboxConsumer
@@ -80,24 +81,37 @@ class EventRelay(OutboxConsumer):
 
     async def relay(self, outbox: str, entries: Sequence[tuple[str, dict[str, str]]]) -> None:
         recipients_of: dict[str, list[str]] = {}
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for entry_id, fields in entries:
-                if not fields:
-                    continue  # trimmed away before we read it
-                kind = CREATED if fields["type"] == CREATED else RESOLVED
-                question = pairs_to_fields(msgspec.json.decode(fields["question"]))
-                data = to_json(envelope(question)).decode()
-                for principal in await self._recipients(kind, question, recipients_of):
-                    stream = self.keys.events(principal)
-                    pipe.xadd(
-                        stream,
-                        {"type": kind, "data": data, "outbox": f"{outbox}/{entry_id}"},
-                        maxlen=self.maxlen,
-                        approximate=True,
-                    )
-                    pipe.expire(stream, self.ttl_seconds)
-            pipe.xack(outbox, GROUP, *(entry_id for entry_id, _ in entries))
-            await pipe.execute()
+        commands: list[tuple[Any, ...]] = []
+        for entry_id, fields in entries:
+            if not fields:
+                continue  # trimmed away before we read it
+            kind = CREATED if fields["type"] == CREATED else RESOLVED
+            question = pairs_to_fields(msgspec.json.decode(fields["question"]))
+            data = to_json(envelope(question)).decode()
+            ref = f"{outbox}/{entry_id}"
+            for principal in await self._recipients(kind, question, recipients_of):
+                stream = self.keys.events(principal)
+                trim = ("MAXLEN", "~", self.maxlen)
+                commands.append(("XADD", stream, *trim, "*", "type", kind, "data", data, "outbox", ref))
+                commands.append(("EXPIRE", stream, self.ttl_seconds))
+        if commands:
+            await self._append(commands)
+        # Only once every append succeeded: in one batch without MULTI an XACK would run even
+        # after an XADD failed (OOM under noeviction, say), and that event would be lost.
+        await self.redis.xack(outbox, GROUP, *(entry_id for entry_id, _ in entries))
+
+    async def _append(self, commands: Sequence[tuple[Any, ...]]) -> None:
+        """Every XADD and EXPIRE at once; the first error reply fails the whole batch."""
+        if is_cluster(self.redis):
+            # Every principal's stream has a slot of its own: redis-py splits the batch by node.
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for command in commands:
+                    pipe.execute_command(*command)
+                await pipe.execute()
+            return
+        for reply in await exchange(self.redis, commands):
+            if isinstance(reply, Exception):
+                raise reply
 
     async def _recipients(
         self, kind: str, question: dict[str, str], rooms: dict[str, list[str]]

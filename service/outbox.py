@@ -46,7 +46,8 @@ class OutboxConsumer(abc.ABC):
 
     @abc.abstractmethod
     async def handle(self, outbox: str, entries: Entries) -> None:
-        """Handle a batch idempotently, then acknowledge it (XACK) in the same round trip."""
+        """Handle a batch idempotently and only then acknowledge it (XACK): an ack batched with
+        writes that fail would drop the event."""
 
     async def ensure_groups(self) -> None:
         for b in range(BUCKETS):

@@ -8,9 +8,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import pytest
 from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from service.events import GROUP, EventRelay
 from service.keys import Keys
@@ -158,5 +160,32 @@ async def test_events_a_dead_relay_left_unacknowledged_are_reclaimed(
             got = await next_event(events)
         assert (got["event"], got["data"]["id"]) == ("question.created", question["id"])
         assert (await redis.xpending(outbox, GROUP))["pending"] == 0
+    finally:
+        await client.close()
+
+
+async def test_an_event_whose_append_failed_stays_unacknowledged_for_a_retry(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    settings = test_settings(redis_server.url, run_event_relay=False)
+    client: TestClient[object, object] = await start_client(settings)
+    keys = Keys(settings.key_prefix)
+    try:
+        api = Api(client, ADMIN_TOKEN)
+        agent, _, _ = await people(api)
+        relay = EventRelay(redis, keys, maxlen=1000, ttl_seconds=60)
+        await relay.ensure_groups()
+        await redis.set(keys.events("alice"), "not a stream")  # every XADD to it fails: WRONGTYPE
+        question = await api.ask(agent, {"user": "alice"})
+        outbox = keys.outbox(int(question["id"][0], 16))
+        taken = await redis.xreadgroup(GROUP, relay.consumer, {outbox: ">"}, count=10)
+        with pytest.raises(ResponseError, match="WRONGTYPE"):
+            await relay.relay(outbox, taken[0][1])
+        assert (await redis.xpending(outbox, GROUP))["pending"] == 1
+
+        await redis.delete(keys.events("alice"))
+        await relay.relay(outbox, taken[0][1])
+        assert (await redis.xpending(outbox, GROUP))["pending"] == 0
+        assert await redis.xlen(keys.events("alice")) == 1
     finally:
         await client.close()
