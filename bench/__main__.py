@@ -354,7 +354,9 @@ class Bench:
                 "service_pids": [self.service.pid],
                 "timeout": 600,
             }
-            timeout = 120 + n / self.cfg.wait_rate * 2
+            # Beyond the child's own limits (warm-up 35 s, parking 60 s, answers, 30 s for the
+            # stragglers), so a stalled run reports what stalled instead of being killed.
+            timeout = 240 + n / self.cfg.wait_rate * 2
             res = self.subprocess_json("bench.waiters", job, timeout)
             self.results.setdefault("waiters", {})[n] = res
             self._waiter_row(f"wait, N={n:,}", res, targets=(n >= 10_000))
