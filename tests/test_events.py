@@ -6,6 +6,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -135,57 +136,67 @@ async def test_idle_stream_sends_heartbeat_comments(redis_server: RedisServer) -
         await client.close()
 
 
-async def test_events_a_dead_relay_left_unacknowledged_are_reclaimed(
-    redis_server: RedisServer, redis: Redis
-) -> None:
+@dataclass
+class NoRelay:
+    """The app with its own event relay off: the test plays the relays."""
+
+    api: Api
+    keys: Keys
+    redis: Redis
+    agent: str
+    alice: str
+
+    def relay(self) -> EventRelay:
+        return EventRelay(self.redis, self.keys, maxlen=1000, ttl_seconds=60)
+
+    async def ask_and_take(self, relay: EventRelay) -> tuple[str, str, list[Any]]:
+        """A question for alice, and its outbox entry read by `relay` (not yet relayed)."""
+        await relay.ensure_groups()
+        question = await self.api.ask(self.agent, {"user": "alice"})
+        outbox = self.keys.outbox(int(question["id"][0], 16))
+        taken = await self.redis.xreadgroup(GROUP, relay.consumer, {outbox: ">"}, count=10)
+        assert len(taken[0][1]) == 1
+        return question["id"], outbox, taken[0][1]
+
+
+@pytest.fixture
+async def no_relay(redis_server: RedisServer, redis: Redis) -> AsyncIterator[NoRelay]:
     settings = test_settings(redis_server.url, run_event_relay=False)
     client: TestClient[object, object] = await start_client(settings)
-    keys = Keys(settings.key_prefix)
     try:
         api = Api(client, ADMIN_TOKEN)
         agent, alice, _ = await people(api)
-        dead = EventRelay(redis, keys, maxlen=1000, ttl_seconds=60)
-        await dead.ensure_groups()
-        question = await api.ask(agent, {"user": "alice"})
-        outbox = keys.outbox(int(question["id"][0], 16))
-        taken = await redis.xreadgroup(GROUP, dead.consumer, {outbox: ">"}, count=10)
-        assert len(taken[0][1]) == 1  # read, then the relay "dies" without relaying or acking
-        assert await redis.xlen(keys.events("alice")) == 0
-
-        survivor = EventRelay(redis, keys, maxlen=1000, ttl_seconds=60)
-        survivor.reclaim_idle_ms = 1
-        await asyncio.sleep(0.01)
-        await survivor.reclaim()
-        async with stream(api, alice, last_event_id="0-0") as events:
-            got = await next_event(events)
-        assert (got["event"], got["data"]["id"]) == ("question.created", question["id"])
-        assert (await redis.xpending(outbox, GROUP))["pending"] == 0
+        yield NoRelay(api, Keys(settings.key_prefix), redis, agent, alice)
     finally:
         await client.close()
 
 
-async def test_an_event_whose_append_failed_stays_unacknowledged_for_a_retry(
-    redis_server: RedisServer, redis: Redis
-) -> None:
-    settings = test_settings(redis_server.url, run_event_relay=False)
-    client: TestClient[object, object] = await start_client(settings)
-    keys = Keys(settings.key_prefix)
-    try:
-        api = Api(client, ADMIN_TOKEN)
-        agent, _, _ = await people(api)
-        relay = EventRelay(redis, keys, maxlen=1000, ttl_seconds=60)
-        await relay.ensure_groups()
-        await redis.set(keys.events("alice"), "not a stream")  # every XADD to it fails: WRONGTYPE
-        question = await api.ask(agent, {"user": "alice"})
-        outbox = keys.outbox(int(question["id"][0], 16))
-        taken = await redis.xreadgroup(GROUP, relay.consumer, {outbox: ">"}, count=10)
-        with pytest.raises(ResponseError, match="WRONGTYPE"):
-            await relay.relay(outbox, taken[0][1])
-        assert (await redis.xpending(outbox, GROUP))["pending"] == 1
+async def test_events_a_dead_relay_left_unacknowledged_are_reclaimed(no_relay: NoRelay) -> None:
+    redis, keys = no_relay.redis, no_relay.keys
+    question_id, outbox, _ = await no_relay.ask_and_take(no_relay.relay())
+    # The relay that read it "dies" without relaying or acking.
+    assert await redis.xlen(keys.events("alice")) == 0
 
-        await redis.delete(keys.events("alice"))
-        await relay.relay(outbox, taken[0][1])
-        assert (await redis.xpending(outbox, GROUP))["pending"] == 0
-        assert await redis.xlen(keys.events("alice")) == 1
-    finally:
-        await client.close()
+    survivor = no_relay.relay()
+    survivor.reclaim_idle_ms = 1
+    await asyncio.sleep(0.01)
+    await survivor.reclaim()
+    async with stream(no_relay.api, no_relay.alice, last_event_id="0-0") as events:
+        got = await next_event(events)
+    assert (got["event"], got["data"]["id"]) == ("question.created", question_id)
+    assert (await redis.xpending(outbox, GROUP))["pending"] == 0
+
+
+async def test_an_event_whose_append_failed_stays_unacknowledged_for_a_retry(no_relay: NoRelay) -> None:
+    redis, keys = no_relay.redis, no_relay.keys
+    await redis.set(keys.events("alice"), "not a stream")  # every XADD to it fails: WRONGTYPE
+    relay = no_relay.relay()
+    _, outbox, entries = await no_relay.ask_and_take(relay)
+    with pytest.raises(ResponseError, match="WRONGTYPE"):
+        await relay.relay(outbox, entries)
+    assert (await redis.xpending(outbox, GROUP))["pending"] == 1
+
+    await redis.delete(keys.events("alice"))
+    await relay.relay(outbox, entries)
+    assert (await redis.xpending(outbox, GROUP))["pending"] == 0
+    assert await redis.xlen(keys.events("alice")) == 1
