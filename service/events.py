@@ -82,6 +82,7 @@ class EventRelay(OutboxConsumer):
     async def relay(self, outbox: str, entries: Sequence[tuple[str, dict[str, str]]]) -> None:
         recipients_of: dict[str, list[str]] = {}
         commands: list[tuple[Any, ...]] = []
+        trim = ("MAXLEN", "~", self.maxlen)
         for entry_id, fields in entries:
             if not fields:
                 continue  # trimmed away before we read it
@@ -91,7 +92,6 @@ class EventRelay(OutboxConsumer):
             ref = f"{outbox}/{entry_id}"
             for principal in await self._recipients(kind, question, recipients_of):
                 stream = self.keys.events(principal)
-                trim = ("MAXLEN", "~", self.maxlen)
                 commands.append(("XADD", stream, *trim, "*", "type", kind, "data", data, "outbox", ref))
                 commands.append(("EXPIRE", stream, self.ttl_seconds))
         if commands:
