@@ -30,6 +30,7 @@ from bench.procs import (
     ADMIN_TOKEN,
     ROOT,
     BaselineProc,
+    LadderProc,
     RedisProc,
     ServiceProc,
     cpu_seconds,
@@ -139,9 +140,13 @@ class Bench:
             log(f"  waited {waited:.1f} s for the service to finish background work")
         return waited
 
-    def wrk(self, name: str, url: str, script: str, env: dict[str, str] | None = None) -> WrkResult:
-        """One wrk run with the service's and Redis' CPU use over it (and a profile if asked)."""
-        pid = self.service.pid if self.service is not None and url == self.service.url else None
+    def wrk(
+        self, name: str, url: str, script: str, env: dict[str, str] | None = None, *, pid: int | None = None
+    ) -> WrkResult:
+        """One wrk run with the server's and Redis' CPU use over it (and a profile if asked);
+        the server is the service or the baseline by its URL, else the process `pid`."""
+        if pid is None and self.service is not None and url == self.service.url:
+            pid = self.service.pid
         if pid is None and self.baseline is not None and url == self.baseline.url:
             pid = self.baseline.pid
         self.settle(self.service, self.redis)
@@ -255,6 +260,7 @@ class Bench:
         applied = self.stats("answered") - answered0
         stale = self.stats("stale") - stale0
         fetch = self.wrk("fetch", self.service.url, "fetch", env)
+        ladder = self.ladder(env)
         base2 = self.wrk("baseline-2", self.baseline.url, "baseline")
         access = None
         if cfg.access_log:
@@ -318,6 +324,7 @@ class Bench:
                     order=1,
                 )
             )
+        self.add_ladder_rows(ladder, fetch, base)
         if access is not None:
             r.add(
                 Row(
@@ -684,6 +691,49 @@ class Bench:
                 order=40,
             )
         )
+
+    def ladder(self, env: dict[str, str]) -> dict[str, WrkResult]:
+        """The rungs of bench/ladder.py over the fetch scenario's ids (docs/benchmarks.md)."""
+        assert self.redis is not None
+        proc = LadderProc(self.workdir, self.redis.url).start()
+        self.extra.append(proc)
+        rungs = {}
+        for rung in ("script", "read"):
+            rung_env = {**env, "BENCH_FETCH_PATH": f"/{rung}/"}
+            run_wrk(proc.url, "fetch", seconds=2, connections=self.cfg.connections, env=rung_env)
+            rungs[rung] = self.wrk(f"ladder-{rung}", proc.url, "fetch", rung_env, pid=proc.pid)
+        proc.stop()
+        return rungs
+
+    def add_ladder_rows(self, rungs: dict[str, WrkResult], fetch: WrkResult, base: float) -> None:
+        steps = (
+            (
+                "ladder: bare + the store's read (one coalesced EVALSHA)",
+                "ladder-script",
+                rungs["script"],
+                None,
+            ),
+            ("ladder: + the envelope, answered as fetch is", "ladder-read", rungs["read"], rungs["script"]),
+            ("ladder: + middlewares, auth, metrics (= fetch)", "fetch", fetch, rungs["read"]),
+        )
+        for name, run, res, before in steps:
+            cpu = self.results["wrk"][run]["process_cpu"]
+            note = f"process CPU {cpu:.0%}; {cpu * 1e6 / max(res.rps, 1):.0f} µs CPU per request"
+            if before is not None:
+                note += f"; x{res.rps / before.rps:.2f} of the rung before"
+            self.report.add(
+                Row(
+                    name,
+                    res.rps,
+                    res.p50_ms,
+                    res.p99_ms,
+                    res.max_ms,
+                    f"{res.rps / base:.2f}",
+                    "",
+                    note,
+                    order=1,
+                )
+            )
 
     def stop(self) -> None:
         for proc in (*self.extra, self.service, self.baseline, self.redis):

@@ -1,5 +1,6 @@
 """The bare aiohttp baseline: one JSON handler returning a small object, served like the service
-(`web.run_app`, one process, uvloop when the service would use it, no access log unless
+(`web.run_app`, one process, uvloop when the service would use it, frozen after startup as
+`serve` freezes the service (service.__main__.freeze_startup_objects), no access log unless
 QS_ACCESS_LOG is on). `/park` holds a request open, to price a parked request in bare aiohttp.
 
     python -m bench.baseline --port 8099
@@ -14,6 +15,8 @@ import logging
 import os
 
 from aiohttp import web
+
+from service.__main__ import freeze_startup_objects
 
 PARKED = web.AppKey("parked", list)
 
@@ -45,6 +48,7 @@ async def parked(request: web.Request) -> web.Response:
 def create_app() -> web.Application:
     app = web.Application()
     app[PARKED] = [0]
+    app.on_startup.append(freeze_startup_objects)  # as `serve` does
     app.add_routes([web.get("/", hello), web.get("/park", park), web.get("/parked", parked)])
     return app
 

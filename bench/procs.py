@@ -215,6 +215,20 @@ class BaselineProc(Proc):
         return self
 
 
+class LadderProc(BaselineProc):
+    """bench/ladder.py: the rungs between the bare baseline and the service's fetch."""
+
+    def __init__(self, workdir: Path, redis_url: str) -> None:
+        self.port = free_port()
+        args = [sys.executable, "-m", "bench.ladder", "--port", str(self.port), "--redis", redis_url]
+        Proc.__init__(self, "ladder", args, None, workdir)
+
+    def start(self) -> LadderProc:
+        Proc.start(self)
+        wait_http(self.url + "/", self)
+        return self
+
+
 def service_redis_ports(service_pid: int, redis_port: int) -> set[int]:
     """Local ports of the service's TCP connections to Redis (from /proc/<pid>/fd and /proc/net/tcp),
     so CLIENT LIST entries can be attributed to that process by their addr."""

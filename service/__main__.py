@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import sys
@@ -15,6 +16,8 @@ from service import cli_client
 from service.settings import Settings, SettingsError, env_name
 
 if TYPE_CHECKING:
+    from aiohttp import web
+
     from service.auth import Directory
 
 log = logging.getLogger("service")
@@ -92,10 +95,8 @@ def _environ() -> dict[str, str]:
 def serve(settings: Settings) -> None:
     from aiohttp import web
 
-    from service.http.app import create_app
-
     web.run_app(
-        create_app(settings),
+        serving_app(settings),
         host=settings.host,
         port=settings.port,
         loop=new_event_loop(),
@@ -105,6 +106,24 @@ def serve(settings: Settings) -> None:
         access_log=None,  # QS_ACCESS_LOG lines come from service.logs' middleware (structured)
         print=lambda _: log.info("serving on http://%s:%d", settings.host, settings.port),
     )
+
+
+def serving_app(settings: Settings) -> web.Application:
+    """The app as `serve` runs it: create_app's, plus freezing what its startup made."""
+    from service.http.app import create_app
+
+    app = create_app(settings)
+    app.on_startup.append(freeze_startup_objects)
+    return app
+
+
+async def freeze_startup_objects(app: web.Application) -> None:
+    """Move everything alive once the app has started (modules, scripts, pools, routes) out of the
+    garbage collector's sight. Each full collection walked all of it: ~50 ms per pause with ~90,000
+    tracked objects, the p99 of every route (docs/benchmarks.md). Runs after the cleanup contexts
+    (on_startup keeps the order of registration); only in `serve`, never in tests' many apps."""
+    gc.collect()
+    gc.freeze()
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:

@@ -1,13 +1,18 @@
-"""The command line: admin bootstrap straight against Redis, and a one-shot sweep."""
+"""The command line: admin bootstrap straight against Redis, a one-shot sweep, and `serve`'s app."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
 
+from aiohttp.test_utils import TestClient, TestServer
+
+from service.__main__ import serving_app
 from service.settings import Settings
+from tests.conftest import close_client
 
 
 def cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
@@ -58,3 +63,16 @@ def test_a_bad_setting_exits_2_and_names_the_variable(settings: Settings) -> Non
     worse = cli(settings, "sweep", "--once", "--port", "many")
     assert worse.returncode == 2
     assert "QS_PORT" in worse.stderr
+
+
+async def test_serve_freezes_what_startup_made_so_full_collections_skip_it(settings: Settings) -> None:
+    gc.unfreeze()
+    client: TestClient[object, object] = TestClient(TestServer(serving_app(settings)))
+    await client.start_server()
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > 10_000  # the modules, scripts, pools and routes of a started service
+        assert (await client.get("/healthz")).status == 200
+    finally:
+        gc.unfreeze()  # the other tests' apps come and go: none of theirs may stay frozen
+        await close_client(client)
