@@ -42,7 +42,7 @@ SOAK_RATE ?= 200
 soak: $(STAMP)
 	$(BIN)/python -m bench.soak --seconds $(SOAK_SECONDS) --rate $(SOAK_RATE)
 
-## bench: issue 3's benchmarks in one run (about 5 min): one table, and docs/benchmarks.md
+## bench: issue 3's benchmarks in one run (about 8 min): one table, and docs/benchmarks.md
 bench: $(STAMP)
 	@$(BIN)/python -c 'import dbos' 2>/dev/null || $(BIN)/pip install --quiet -e ".[bench]" \
 		|| echo "bench: could not install the bench extras (.[bench]); the DBOS peer row says why"

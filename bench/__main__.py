@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,6 +50,7 @@ def _env_list(name: str, default: str) -> list[int]:
 @dataclass
 class Config:
     seconds: float = float(os.environ.get("BENCH_SECONDS", "8"))
+    rounds: int = max(1, int(os.environ.get("BENCH_ROUNDS", "3")))
     connections: int = int(os.environ.get("BENCH_CONNECTIONS", "64"))
     threads: int = int(os.environ.get("BENCH_THREADS", "1"))
     waiters: list[int] = field(default_factory=lambda: _env_list("BENCH_WAITERS", "1000,10000"))
@@ -67,6 +69,48 @@ class Config:
 
 def log(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+LADDER_RUNGS = ("script", "read")
+
+
+@dataclass
+class Scenario:
+    """One wrk scenario over the rounds: each round's run, its server CPU share, Redis' CPU per
+    request and its ratio to the baseline of its own round (the machine's speed drifts between
+    rounds; a ratio within one round does not)."""
+
+    runs: list[WrkResult] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+    redis_us: list[float] = field(default_factory=list)
+    bases: list[float] = field(default_factory=list)
+
+    def add(self, run: WrkResult, measured: dict[str, Any], base: float) -> None:
+        self.runs.append(run)
+        self.cpu.append(measured["process_cpu"] or 0.0)
+        self.redis_us.append(measured["redis_us_per_request"])
+        self.bases.append(base)
+
+    @property
+    def ratios(self) -> list[float]:
+        return [run.rps / base for run, base in zip(self.runs, self.bases, strict=True)]
+
+    def ratio_list(self) -> str:
+        return " / ".join(f"{ratio:.2f}" for ratio in self.ratios)
+
+    def values(self, attr: str) -> list[float]:
+        return [float(getattr(run, attr)) for run in self.runs]
+
+    def median(self, attr: str) -> float:
+        return statistics.median(self.values(attr))
+
+    def max(self, attr: str) -> float:
+        return max(self.values(attr))
+
+    def row(self, name: str, target: str, notes: str, *, order: int) -> Row:
+        ratio = f"{statistics.median(self.ratios):.2f}"
+        p50, p99 = self.median("p50_ms"), self.median("p99_ms")
+        return Row(name, self.median("rps"), p50, p99, self.max("max_ms"), ratio, target, notes, order=order)
 
 
 class Bench:
@@ -234,8 +278,11 @@ class Bench:
         log(f"redis {self.redis.url}, service {self.service.url}, baseline {self.baseline.url}")
 
     def http_scenarios(self) -> None:
+        """create, answer, fetch and the ladder's rungs, in rounds between two baseline runs each;
+        every row is the median over the rounds, each ratio taken within its own round."""
         assert self.service is not None
         assert self.baseline is not None
+        assert self.redis is not None
         cfg = self.cfg
         few = asyncio.run(
             seed.create_via_http(self.service.url, self.agent_token, USER, 8, 3600, concurrency=8)
@@ -246,86 +293,115 @@ class Bench:
             "BENCH_USER": USER,
             "BENCH_IDS_FILE": self.ids_file("fetch", few),
         }
+        ladder = LadderProc(self.workdir, self.redis.url).start()
+        self.extra.append(ladder)
         log("warm-up (not reported)")
-        for url, script in ((self.baseline.url, "baseline"), (self.service.url, "fetch")):
-            run_wrk(url, script, seconds=2, connections=cfg.connections, threads=cfg.threads, env=env)
+        warm = [(self.baseline.url, {}), (self.service.url, env)]
+        warm += [(ladder.url, {**env, "BENCH_FETCH_PATH": f"/{rung}/"}) for rung in LADDER_RUNGS]
+        for url, warm_env in warm:
+            script = "baseline" if url == self.baseline.url else "fetch"
+            run_wrk(url, script, seconds=2, connections=cfg.connections, threads=cfg.threads, env=warm_env)
 
-        log(f"wrk -t{cfg.threads} -c{cfg.connections} -d{cfg.seconds:g}s")
-        base1 = self.wrk("baseline-1", self.baseline.url, "baseline")
-        create = self.wrk("create", self.service.url, "create", env)
-        count = int(max(create.rps, 1000) * 2 * cfg.seconds) + 5000
-        answer_env = {**env, "BENCH_IDS_FILE": self.ids_file("answer", self.new_ids(count))}
+        log(f"wrk -t{cfg.threads} -c{cfg.connections} -d{cfg.seconds:g}s, {cfg.rounds} round(s)")
+        scenarios: dict[str, Scenario] = {}
+        applied = stale = 0
+        for i in range(1, cfg.rounds + 1):
+            log(f"round {i} of {cfg.rounds}")
+            runs, round_applied, round_stale = self.http_round(i, env, ladder)
+            applied, stale = applied + round_applied, stale + round_stale
+            base = (runs["baseline-a"].rps + runs["baseline-b"].rps) / 2
+            for name, result in runs.items():
+                scenarios.setdefault(name, Scenario()).add(result, self.results["wrk"][f"{name}#{i}"], base)
+        ladder.stop()
+        self.results["answer_applied"] = {"applied": applied, "stale": stale}
+        self.results["median_rps"] = {name: sc.median("rps") for name, sc in scenarios.items()}
+        self.baseline_rps = scenarios["baseline-a"].bases
+        access = self.access_log_run(env) if cfg.access_log else None
+        self.add_http_rows(scenarios, applied, stale, access)
+
+    def http_round(
+        self, i: int, env: dict[str, str], ladder: LadderProc
+    ) -> tuple[dict[str, WrkResult], int, int]:
+        """One round: baseline, create, answer, fetch, the ladder's rungs, baseline again."""
+        assert self.service is not None
+        assert self.baseline is not None
+        runs = {"baseline-a": self.wrk(f"baseline-a#{i}", self.baseline.url, "baseline")}
+        runs["create"] = self.wrk(f"create#{i}", self.service.url, "create", env)
+        count = int(max(runs["create"].rps, 1000) * 2 * self.cfg.seconds) + 5000
+        answer_env = {**env, "BENCH_IDS_FILE": self.ids_file(f"answer-{i}", self.new_ids(count))}
         answered0, stale0 = self.stats("answered"), self.stats("stale")
-        answer = self.wrk("answer", self.service.url, "answer", answer_env)
-        applied = self.stats("answered") - answered0
-        stale = self.stats("stale") - stale0
-        fetch = self.wrk("fetch", self.service.url, "fetch", env)
-        ladder = self.ladder(env)
-        base2 = self.wrk("baseline-2", self.baseline.url, "baseline")
-        access = None
-        if cfg.access_log:
-            assert self.redis is not None
-            # INFO: at WARNING the access logger is disabled whatever QS_ACCESS_LOG says.
-            noisy = ServiceProc(
-                self.workdir, self.redis.url, name="service-access-log", access_log="1", log_level="INFO"
+        runs["answer"] = self.wrk(f"answer#{i}", self.service.url, "answer", answer_env)
+        applied, stale = self.stats("answered") - answered0, self.stats("stale") - stale0
+        runs["fetch"] = self.wrk(f"fetch#{i}", self.service.url, "fetch", env)
+        for rung in LADDER_RUNGS:
+            rung_env = {**env, "BENCH_FETCH_PATH": f"/{rung}/"}
+            runs[f"ladder-{rung}"] = self.wrk(
+                f"ladder-{rung}#{i}", ladder.url, "fetch", rung_env, pid=ladder.pid
             )
-            self.extra.append(noisy.start())
-            run_wrk(noisy.url, "fetch", seconds=2, connections=cfg.connections, env=env)
-            access = run_wrk(noisy.url, "fetch", seconds=cfg.seconds, connections=cfg.connections, env=env)
-            noisy.stop()
-            log(f"  fetch with access log: {access.rps:,.0f} req/s")
+        runs["baseline-b"] = self.wrk(f"baseline-b#{i}", self.baseline.url, "baseline")
+        return runs, applied, stale
 
-        self.baseline_rps = [base1.rps, base2.rps]
-        base = sum(self.baseline_rps) / 2
-        w = self.results["wrk"]
+    def access_log_run(self, env: dict[str, str]) -> WrkResult:
+        assert self.redis is not None
+        cfg = self.cfg
+        # INFO: at WARNING the access logger is disabled whatever QS_ACCESS_LOG says.
+        noisy = ServiceProc(
+            self.workdir, self.redis.url, name="service-access-log", access_log="1", log_level="INFO"
+        )
+        self.extra.append(noisy.start())
+        run_wrk(noisy.url, "fetch", seconds=2, connections=cfg.connections, env=env)
+        access = run_wrk(noisy.url, "fetch", seconds=cfg.seconds, connections=cfg.connections, env=env)
+        noisy.stop()
+        log(f"  fetch with access log: {access.rps:,.0f} req/s")
+        return access
+
+    def add_http_rows(
+        self, scenarios: dict[str, Scenario], applied: int, stale: int, access: WrkResult | None
+    ) -> None:
         r = self.report
+        base_a, base_b = scenarios["baseline-a"], scenarios["baseline-b"]
+        base = statistics.median(base_a.bases)
+        per_round = " / ".join(f"{b:,.0f}" for b in base_a.bases)
         r.add(
             Row(
                 "baseline (bare aiohttp)",
                 base,
-                (base1.p50_ms + base2.p50_ms) / 2,
-                max(base1.p99_ms, base2.p99_ms),
-                max(base1.max_ms, base2.max_ms),
+                statistics.median([*base_a.values("p50_ms"), *base_b.values("p50_ms")]),
+                statistics.median([*base_a.values("p99_ms"), *base_b.values("p99_ms")]),
+                max(base_a.max("max_ms"), base_b.max("max_ms")),
                 "1.00",
                 "",
-                f"mean of a run before ({base1.rps:,.0f}/s) and after ({base2.rps:,.0f}/s) the service runs;"
-                f" process CPU {w['baseline-1']['process_cpu']:.0%}",
+                f"each round's baseline is the mean of a run before and after its service runs: {per_round}"
+                f" req/s; process CPU {statistics.median(base_a.cpu):.0%}",
                 order=0,
             )
         )
-        for name, res, goal in (("create", create, 0.5), ("answer", answer, 0.5), ("fetch", fetch, 0.6)):
-            ratio = res.rps / base
+        for name, goal in (("create", 0.5), ("answer", 0.5), ("fetch", 0.6)):
+            sc = scenarios[name]
+            ratio = statistics.median(sc.ratios)
             met = r.target(
                 f"{name} >= {goal:.0%} of the baseline's requests/s (one process each, same run)",
                 ratio >= goal,
-                f"{ratio:.0%} ({res.rps:,.0f} vs {base:,.0f} req/s)",
+                f"{ratio:.0%} (median of {len(sc.ratios)} rounds: {sc.ratio_list()})",
                 order=1,
             )
             notes = [
-                f"service CPU {w[name]['process_cpu']:.0%}",
-                f"redis {w[name]['redis_us_per_request']:.0f} µs/req",
+                f"ratio per round {sc.ratio_list()}",
+                f"service CPU {statistics.median(sc.cpu):.0%}",
+                f"redis {statistics.median(sc.redis_us):.0f} µs/req",
             ]
-            if res.error_total or res.non_2xx:
-                notes.append(f"errors {res.error_total}, non-2xx {res.non_2xx}")
+            errors = sum(run.error_total + run.non_2xx for run in sc.runs)
+            if errors:
+                notes.append(f"errors and non-2xx {errors}")
             if name == "answer":
-                fraction = applied / max(1, applied + stale)
-                notes.insert(0, f"applied {fraction:.1%} ({applied:,} applied, {stale:,} stale)")
-                self.results["answer_applied"] = {"applied": applied, "stale": stale, "pre_created": count}
-            r.add(
-                Row(
-                    name,
-                    res.rps,
-                    res.p50_ms,
-                    res.p99_ms,
-                    res.max_ms,
-                    f"{ratio:.2f}",
-                    f">= {goal:.2f}: {met}",
-                    "; ".join(notes),
-                    order=1,
+                notes.insert(
+                    0,
+                    f"applied {applied / max(1, applied + stale):.1%} ({applied:,} applied, {stale:,} stale)",
                 )
-            )
-        self.add_ladder_rows(ladder, fetch, base)
+            r.add(sc.row(name, f">= {goal:.2f}: {met}", "; ".join(notes), order=1))
+        self.add_ladder_rows(scenarios)
         if access is not None:
+            fetch = self.results["median_rps"]["fetch"]
             r.add(
                 Row(
                     "fetch, access log on",
@@ -336,7 +412,7 @@ class Bench:
                     f"{access.rps / base:.2f}",
                     "",
                     f"QS_ACCESS_LOG=1 QS_LOG_LEVEL=INFO (a line per request to a file):"
-                    f" {access.rps / fetch.rps - 1:+.0%} vs fetch without it",
+                    f" {access.rps / fetch - 1:+.0%} vs the median fetch without it",
                     order=2,
                 )
             )
@@ -530,8 +606,8 @@ class Bench:
             f"{res['woken_answered']:,} of {res['n']:,} waiters woken across processes",
             order=4,
         )
-        single = self.results.get("wrk", {}).get("fetch", {}).get("rps")
-        base = sum(self.baseline_rps) / 2 if self.baseline_rps else None
+        single = self.results.get("median_rps", {}).get("fetch")
+        base = statistics.median(self.baseline_rps) if self.baseline_rps else None
         self.report.add(
             Row(
                 "scale-out: wait across 2 processes",
@@ -692,48 +768,22 @@ class Bench:
             )
         )
 
-    def ladder(self, env: dict[str, str]) -> dict[str, WrkResult]:
-        """The rungs of bench/ladder.py over the fetch scenario's ids (docs/benchmarks.md)."""
-        assert self.redis is not None
-        proc = LadderProc(self.workdir, self.redis.url).start()
-        self.extra.append(proc)
-        rungs = {}
-        for rung in ("script", "read"):
-            rung_env = {**env, "BENCH_FETCH_PATH": f"/{rung}/"}
-            run_wrk(proc.url, "fetch", seconds=2, connections=self.cfg.connections, env=rung_env)
-            rungs[rung] = self.wrk(f"ladder-{rung}", proc.url, "fetch", rung_env, pid=proc.pid)
-        proc.stop()
-        return rungs
-
-    def add_ladder_rows(self, rungs: dict[str, WrkResult], fetch: WrkResult, base: float) -> None:
+    def add_ladder_rows(self, scenarios: dict[str, Scenario]) -> None:
+        """Where a fetch's time goes: bench/ladder.py's rungs, then the service's fetch."""
         steps = (
-            (
-                "ladder: bare + the store's read (one coalesced EVALSHA)",
-                "ladder-script",
-                rungs["script"],
-                None,
-            ),
-            ("ladder: + the envelope, answered as fetch is", "ladder-read", rungs["read"], rungs["script"]),
-            ("ladder: + middlewares, auth, metrics (= fetch)", "fetch", fetch, rungs["read"]),
+            ("ladder: bare + the store's read (one coalesced EVALSHA)", "ladder-script", None),
+            ("ladder: + the envelope, answered as fetch is", "ladder-read", "ladder-script"),
+            ("ladder: + middlewares, auth, metrics (= fetch)", "fetch", "ladder-read"),
         )
-        for name, run, res, before in steps:
-            cpu = self.results["wrk"][run]["process_cpu"]
-            note = f"process CPU {cpu:.0%}; {cpu * 1e6 / max(res.rps, 1):.0f} µs CPU per request"
-            if before is not None:
-                note += f"; x{res.rps / before.rps:.2f} of the rung before"
-            self.report.add(
-                Row(
-                    name,
-                    res.rps,
-                    res.p50_ms,
-                    res.p99_ms,
-                    res.max_ms,
-                    f"{res.rps / base:.2f}",
-                    "",
-                    note,
-                    order=1,
-                )
+        for name, run, before in steps:
+            sc = scenarios[run]
+            cpu_us = statistics.median(
+                c * 1e6 / max(res.rps, 1) for c, res in zip(sc.cpu, sc.runs, strict=True)
             )
+            note = f"ratio per round {sc.ratio_list()}; {cpu_us:.0f} µs of process CPU per request"
+            if before is not None:
+                note += f"; x{sc.median('rps') / scenarios[before].median('rps'):.2f} of the rung before"
+            self.report.add(sc.row(name, "", note, order=1))
 
     def stop(self) -> None:
         for proc in (*self.extra, self.service, self.baseline, self.redis):

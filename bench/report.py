@@ -206,15 +206,19 @@ HAND_WRITTEN_HEAD = """# Benchmarks
 `make bench` starts its own redis-server, the service (`python -m service serve`, one process) and
 a bare aiohttp app (`bench/baseline.py`, one JSON handler, same server settings), drives each with
 the same load generator in the same run, and rewrites the section between the markers below.
+The create, answer and fetch rows (and the ladder's) are medians over rounds; each round runs the
+baseline before and after the service's runs, and its ratios are taken against that round's
+baseline, so the machine's drift between rounds does not enter a ratio.
 
-Settings (environment): `BENCH_SECONDS` (default 8), `BENCH_CONNECTIONS` (64), `BENCH_THREADS`
-(1), `BENCH_WAITERS` (`1000,10000`), `BENCH_WAIT_RATE` (500), `BENCH_SWEEP` (100000),
-`BENCH_PEER_SECONDS` (5), `BENCH_PEER_CONCURRENCY` (16), `BENCH_PG_URL`, `BENCH_SKIP` (comma list
-of `wrk,waiters,scaleout,peer,dbos,sweeper`), `BENCH_ACCESS_LOG=1` (adds a fetch run with the
-access log on, at log level INFO), `BENCH_SERVICE_ENV` (`QS_X=1,QS_Y=2`: other service settings),
-`BENCH_PROFILE=1` (py-spy profiles of the service under each wrk run, in `bench/results/`),
-`BENCH_KEEP_LOGS=1`, `BENCH_WRITE_DOC=0`. Raw figures of the last run: `bench/results/latest.json`.
-Figures from a shared 2-core machine are noisy: compare rows of the same run, not runs of
+Settings (environment): `BENCH_SECONDS` (default 8), `BENCH_ROUNDS` (3), `BENCH_CONNECTIONS`
+(64), `BENCH_THREADS` (1), `BENCH_WAITERS` (`1000,10000`), `BENCH_WAIT_RATE` (500),
+`BENCH_SWEEP` (100000), `BENCH_PEER_SECONDS` (5), `BENCH_PEER_CONCURRENCY` (16), `BENCH_PG_URL`,
+`BENCH_SKIP` (comma list of `wrk,waiters,scaleout,peer,dbos,sweeper`), `BENCH_ACCESS_LOG=1` (adds
+a fetch run with the access log on, at log level INFO), `BENCH_SERVICE_ENV` (`QS_X=1,QS_Y=2`:
+other service settings), `BENCH_PROFILE=1` (py-spy profiles of the service under each wrk run,
+in `bench/results/`), `BENCH_KEEP_LOGS=1`, `BENCH_WRITE_DOC=0`. Raw figures of the last run:
+`bench/results/latest.json`. Figures from a shared 2-core machine are noisy: compare rows of the
+same run, not runs of
 different days. Targets are reported (met / not met), never asserted.
 
 """
@@ -231,6 +235,14 @@ HAND_WRITTEN_TAIL = """
   event relay catching up on pre-created questions would otherwise land in the next row).
   `service CPU` is the service process's CPU over the run (100% = one core, the limit of one
   process); `redis µs/req` is Redis' own CPU per request.
+- **ladder**: where a fetch's time goes. `bench/ladder.py` is the baseline's server (same
+  `web.run_app`, uvloop, no middleware) with two more routes over the same questions as fetch:
+  `/script/{id}` runs the service's own `QuestionStore.read` (one coalesced EVALSHA of
+  `expire.lua` and its reply's interpretation) and answers the baseline's small body;
+  `/read/{id}` adds the envelope, answered as the service answers. The last rung is the
+  service's fetch itself: its middlewares (request id, metrics, problem documents, bearer
+  authentication, query check) and the reader's permission. Process CPU per request comes
+  from /proc over each run.
 - **wait N**: N long-poll waiters, each on its own question, parked in batches of 100 (each
   batch once the service holds the previous one), then answered at 500/s on a fixed schedule
   from the same client (one uvloop process; its CPU share and event-loop lag are in the notes, to
