@@ -196,6 +196,11 @@ def refusal(name: str, exc: ResponseError) -> Exception:
     return ScriptMisuse(f"{name}.lua: {exc}")
 
 
+# Calls per pipeline of a call_many: big enough to keep per-batch costs small, small enough that
+# Redis starts on the first while Python packs the rest (a 100,000-question sweep: docs/benchmarks.md).
+CHUNK = 1000
+
+
 class Scripts:
     """Every script called by SHA through one coalescer; NOSCRIPT reloads it by itself.
 
@@ -240,10 +245,17 @@ class Scripts:
     async def call_many(
         self, name: str, calls: Sequence[tuple[Mapping[str, str], Mapping[str, str | int]]]
     ) -> list[Reply]:
-        """Many calls of one script; issued together, they share one pipeline. Gathering the
+        """Many calls of one script, in pipelines of CHUNK calls: one event-loop turn per chunk
+        lets the coalescer send each chunk while the next is packed, so Redis runs one while
+        Python builds the next (a sweep of 16,000 overdue questions is otherwise one batch that
+        Python packs, then Redis runs, then Python reads, each waiting on the other). Gathering the
         futures themselves (not a coroutine per call) spares a task per call on sweeps."""
         started = time.perf_counter()
-        futures = [self._submit(name, keys, args) for keys, args in calls]
+        futures = []
+        for first in range(0, len(calls), CHUNK):
+            if first:
+                await asyncio.sleep(0)  # the coalescer flushes the chunk before it
+            futures += [self._submit(name, keys, args) for keys, args in calls[first : first + CHUNK]]
         try:
             replies = [interpret(raw) for raw in await asyncio.gather(*futures)]
         except ResponseError as exc:

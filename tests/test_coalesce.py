@@ -9,10 +9,12 @@ from redis.asyncio import Redis
 
 from service.coalesce import MAX_IN_FLIGHT
 from service.keys import Keys, new_question_id
-from service.scripts import Code, ScriptMisuse, Scripts
+from service.questions import question_of
+from service.scripts import CHUNK, Code, ScriptMisuse, Scripts
 from service.settings import Settings
 from service.store import QuestionStore
 from tests.conftest import test_settings
+from tests.helpers_reliability import new_question
 from tests.redis_server import RedisServer
 
 
@@ -94,6 +96,21 @@ async def test_connection_failure_reaches_every_caller_of_the_batch() -> None:
 async def test_sweeper_codes_arrive_in_call_order(store: QuestionStore) -> None:
     codes = await store.expire_many([new_question_id() for _ in range(50)])
     assert codes == [Code.NOT_FOUND] * 50
+
+
+async def test_many_calls_go_in_chunks_and_each_reply_keeps_its_place(
+    store: QuestionStore,
+) -> None:
+    pending = [question_of(await store.create(new_question(), None)).id for _ in range(3)]
+    ids = [new_question_id() for _ in range(2 * CHUNK + 500)]
+    places = (0, CHUNK, 2 * CHUNK + 7)
+    for place, question_id in zip(places, pending, strict=True):
+        ids[place] = question_id
+    batches = store.scripts.coalescer.batches
+    replies = await store.read_many(ids)
+    assert store.scripts.coalescer.batches - batches >= 3  # Redis works on one while the next is packed
+    assert [i for i, reply in enumerate(replies) if reply is not None] == list(places)
+    assert [replies[place].id for place in places] == pending  # type: ignore[union-attr]
 
 
 async def test_at_most_a_few_batches_are_in_flight_and_later_calls_gather(store: QuestionStore) -> None:
