@@ -251,11 +251,16 @@ class Scripts:
         Python packs, then Redis runs, then Python reads, each waiting on the other). Gathering the
         futures themselves (not a coroutine per call) spares a task per call on sweeps."""
         started = time.perf_counter()
-        futures = []
-        for first in range(0, len(calls), CHUNK):
-            if first:
-                await asyncio.sleep(0)  # the coalescer flushes the chunk before it
-            futures += [self._submit(name, keys, args) for keys, args in calls[first : first + CHUNK]]
+        futures: list[asyncio.Future[Any]] = []
+        try:
+            for first in range(0, len(calls), CHUNK):
+                if first:
+                    await asyncio.sleep(0)  # the coalescer flushes the chunk before it
+                futures += [self._submit(name, keys, args) for keys, args in calls[first : first + CHUNK]]
+        except asyncio.CancelledError:
+            for future in futures:  # nobody will read them: no "exception never retrieved"
+                future.cancel()
+            raise
         try:
             replies = [interpret(raw) for raw in await asyncio.gather(*futures)]
         except ResponseError as exc:

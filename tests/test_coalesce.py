@@ -113,6 +113,22 @@ async def test_many_calls_go_in_chunks_and_each_reply_keeps_its_place(
     assert [replies[place].id for place in places] == pending  # type: ignore[union-attr]
 
 
+async def test_a_call_many_cancelled_between_chunks_leaves_later_calls_working(store: QuestionStore) -> None:
+    unknown = [new_question_id() for _ in range(3 * CHUNK)]
+    reading = asyncio.create_task(store.read_many(unknown))
+    for _ in range(2):
+        await asyncio.sleep(0)  # the first chunk is submitted, the task waits to submit the next
+    assert not reading.done()
+    reading.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reading
+    question = question_of(await store.create(new_question(), None))
+    assert [q and q.id for q in await store.read_many([question.id, new_question_id()])] == [
+        question.id,
+        None,
+    ]
+
+
 async def test_at_most_a_few_batches_are_in_flight_and_later_calls_gather(store: QuestionStore) -> None:
     coalescer = store.scripts.coalescer
     futures = []
