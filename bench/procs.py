@@ -215,16 +215,20 @@ class BaselineProc(Proc):
         return self
 
 
-class LadderProc(BaselineProc):
+class LadderProc(Proc):
     """bench/ladder.py: the rungs between the bare baseline and the service's fetch."""
 
     def __init__(self, workdir: Path, redis_url: str) -> None:
         self.port = free_port()
         args = [sys.executable, "-m", "bench.ladder", "--port", str(self.port), "--redis", redis_url]
-        Proc.__init__(self, "ladder", args, None, workdir)
+        super().__init__("ladder", args, None, workdir)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> LadderProc:
-        Proc.start(self)
+        super().start()
         wait_http(self.url + "/", self)
         return self
 

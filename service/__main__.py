@@ -121,7 +121,8 @@ async def freeze_startup_objects(app: web.Application) -> None:
     """Move everything alive once the app has started (modules, scripts, pools, routes) out of the
     garbage collector's sight. Each full collection walked all of it: ~50 ms per pause with ~90,000
     tracked objects, the p99 of every route (docs/benchmarks.md). Runs after the cleanup contexts
-    (on_startup keeps the order of registration); only in `serve`, never in tests' many apps."""
+    (on_startup keeps the order of registration). In `serve` and the bench's servers, never in
+    the tests' many short-lived apps: whatever is frozen and later dropped in a cycle stays."""
     gc.collect()
     gc.freeze()
 
