@@ -18,6 +18,7 @@ import time
 import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Self
 
 ROOT = Path(__file__).resolve().parent.parent
 ADMIN_TOKEN = "bench-admin-token-" + os.urandom(8).hex()
@@ -197,40 +198,37 @@ class ServiceProc(Proc):
         return self
 
 
-class BaselineProc(Proc):
+class AppProc(Proc):
+    """One of the bench's own aiohttp apps (`python -m <module> --port P ...`), ready once `/`
+    answers."""
+
+    def __init__(self, name: str, module: str, workdir: Path, *extra: str) -> None:
+        self.port = free_port()
+        args = [sys.executable, "-m", module, "--port", str(self.port), *extra]
+        super().__init__(name, args, None, workdir)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> Self:
+        super().start()
+        wait_http(self.url + "/", self)
+        return self
+
+
+class BaselineProc(AppProc):
     """bench/baseline.py: the bare aiohttp app every ratio is taken against."""
 
     def __init__(self, workdir: Path) -> None:
-        self.port = free_port()
-        args = [sys.executable, "-m", "bench.baseline", "--port", str(self.port)]
-        super().__init__("baseline", args, None, workdir)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> BaselineProc:
-        super().start()
-        wait_http(self.url + "/", self)
-        return self
+        super().__init__("baseline", "bench.baseline", workdir)
 
 
-class LadderProc(Proc):
+class LadderProc(AppProc):
     """bench/ladder.py: the rungs between the bare baseline and the service's fetch."""
 
     def __init__(self, workdir: Path, redis_url: str) -> None:
-        self.port = free_port()
-        args = [sys.executable, "-m", "bench.ladder", "--port", str(self.port), "--redis", redis_url]
-        super().__init__("ladder", args, None, workdir)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> LadderProc:
-        super().start()
-        wait_http(self.url + "/", self)
-        return self
+        super().__init__("ladder", "bench.ladder", workdir, "--redis", redis_url)
 
 
 def service_redis_ports(service_pid: int, redis_port: int) -> set[int]:
