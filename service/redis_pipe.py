@@ -1,8 +1,8 @@
 """One pipelined Redis connection for the coalescer's batches on one Redis node.
 
 redis-py reads a batch's replies one `read_response` coroutine at a time, on a connection
-checked out of its pool by a task per batch: under wrk that cost a fetch 10-35 µs of CPU more
-than the same EVALSHA through this pipe (docs/benchmarks.md, "Findings of 2026-12-04, third
+checked out of its pool per batch: a fetch's whole store read cost 24.5 µs of CPU that way and
+19.4 µs through this pipe (64 at once; docs/benchmarks.md, "Findings of 2026-12-04, third
 session"). Here every batch is written on one connection as soon as it is formed, without
 waiting for the batches before it (Redis answers in order), and `data_received` hands the bytes
 to hiredis' C reader and settles a whole batch's future once its last reply is in.
@@ -118,10 +118,12 @@ class RedisPipe:
     pool's cap and the client's aclose() closes it like any other."""
 
     def __init__(self, redis: Redis) -> None:
-        self.pool: Any = redis.connection_pool  # redis-py types its pool's methods loosely
+        pool: Any = redis.connection_pool  # redis-py types its pool's methods loosely
+        self.pool = pool
         self._connection: Any = None  # the pooled AbstractConnection, once checked out
         self._protocol: _PipeProtocol | None = None
-        self._retry: Retry | None = None
+        self._retry: Retry = pool.make_connection().retry  # a pooled connection's policy
+        self._budget: float | None = pool.connection_kwargs.get("socket_timeout")
         self._connecting = asyncio.Lock()
         self.connections = 0  # opened so far (a test and the bench read it)
 
@@ -129,18 +131,16 @@ class RedisPipe:
     def supports(redis: Redis) -> bool:
         return redis.connection_pool.connection_class in PIPEABLE
 
-    async def exchange(self, packed: Sequence[bytes], extra_seconds: float = 0.0) -> list[Any]:
-        """The replies to `packed`, in order; an error reply is its exception, in its place."""
-        if self._retry is None:  # the policy a pooled connection of this client follows
-            self._retry = self.pool.make_connection().retry
-        return await self._retry.call_with_retry(lambda: self._send(packed, extra_seconds), _ignore)
+    async def exchange(self, packed: Sequence[bytes]) -> list[Any]:
+        """The replies to `packed`, in order; an error reply is its exception, in its place.
+        Never a blocking command (BLPOP, WAIT, ...): it would hold up every batch behind it."""
+        return await self._retry.call_with_retry(lambda: self._send(packed), _ignore)
 
-    async def _send(self, packed: Sequence[bytes], extra_seconds: float) -> list[Any]:
+    async def _send(self, packed: Sequence[bytes]) -> list[Any]:
         protocol = self._protocol
         if protocol is None or not protocol.open or protocol.transport.is_closing():
             protocol = await self._connect()
-        budget = self.pool.connection_kwargs.get("socket_timeout")
-        return await protocol.send(packed, None if budget is None else budget + extra_seconds)
+        return await protocol.send(packed, self._budget)
 
     async def _connect(self) -> _PipeProtocol:
         async with self._connecting:
@@ -148,8 +148,8 @@ class RedisPipe:
                 return self._protocol  # another caller connected while this one waited
             if self._connection is None:
                 self._connection = await self.pool.get_connection()
-            else:
-                await self._connection.disconnect()
+            else:  # the dropped transport is closed already: nothing to wait for
+                await self._connection.disconnect(nowait=True)
                 await self._connection.connect()
             self._protocol = _take_over(self._connection)
             self.connections += 1
