@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import fakeredis
 import hiredis
 import pytest
+import trustme
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -18,7 +19,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from service.coalesce import Coalescer
 from service.redis_pipe import RedisPipe
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, free_port
 
 pack: Any = hiredis.pack_command
 
@@ -129,3 +130,47 @@ async def test_closing_the_client_closes_the_pipes_connection(
 async def test_only_redis_pys_own_connections_are_piped(client: Redis) -> None:
     assert Coalescer(client).pipe is not None
     assert Coalescer(fakeredis.FakeAsyncRedis(decode_responses=True)).pipe is None
+
+
+@pytest.fixture(scope="module")
+def transports(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[str, dict[str, Any]]]]:
+    """One redis-server listening on TLS and on a Unix socket too: URL and client options of each."""
+    files = tmp_path_factory.mktemp("pipe")
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(files / "ca.pem"))
+    issued = ca.issue_cert("127.0.0.1")
+    issued.cert_chain_pems[0].write_to_path(str(files / "cert.pem"))
+    issued.private_key_pem.write_to_path(str(files / "key.pem"))
+    tls_port, socket = free_port(), files / "redis.sock"
+    server = RedisServer(
+        "--tls-port", str(tls_port), "--tls-cert-file", str(files / "cert.pem"),
+        "--tls-key-file", str(files / "key.pem"), "--tls-ca-cert-file", str(files / "ca.pem"),
+        "--tls-auth-clients", "no", "--unixsocket", str(socket), "--unixsocketperm", "700",
+    ).start()  # fmt: skip
+    yield {
+        "tls": (f"rediss://127.0.0.1:{tls_port}/0", {"ssl_ca_certs": str(files / "ca.pem")}),
+        "unix": (f"unix://{socket}?db=0", {}),
+    }
+    server.cleanup()
+
+
+@pytest.mark.parametrize("transport", ["tls", "unix"])
+async def test_the_pipe_carries_batches_over_tls_and_unix_sockets_and_survives_a_killed_connection(
+    transports: dict[str, tuple[str, dict[str, Any]]], transport: str
+) -> None:
+    url, options = transports[transport]
+    client = Redis.from_url(url, decode_responses=True, retry=Retry(NoBackoff(), 1), **options)
+    try:
+        assert RedisPipe.supports(client)
+        pipe = RedisPipe(client)
+        replies = await asyncio.gather(
+            *(pipe.exchange(packed(("CLIENT", "ID"), ("ECHO", str(i)))) for i in range(5))
+        )
+        assert [echo for _, echo in replies] == [str(i) for i in range(5)]
+        [first_id] = {client_id for client_id, _ in replies}
+        await client.client_kill_filter(_id=first_id)
+        second_id, echo = await pipe.exchange(packed(("CLIENT", "ID"), ("ECHO", "again")))
+        assert (echo, pipe.connections) == ("again", 2)
+        assert second_id != first_id
+    finally:
+        await client.aclose()
