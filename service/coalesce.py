@@ -145,7 +145,8 @@ class Coalescer:
         return replies[: len(calls)]
 
     async def _exchange(self, calls: Sequence[_Call]) -> list[Any]:
-        """One node: the batch through `exchange`, the WAIT (when asked for) at its end."""
+        """One node: the batch on the pipe; through `exchange` when it ends with a WAIT (or the
+        client's connections cannot be piped, as fakeredis' cannot)."""
         commands: list[tuple[Any, ...]] = [("EVALSHA", c.sha, len(c.keys), *c.keys, *c.args) for c in calls]
         wait = self._wait_args(calls)
         if wait is None and self.pipe is not None:

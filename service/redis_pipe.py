@@ -62,6 +62,11 @@ class _PipeProtocol(asyncio.Protocol):
         self.in_flight: deque[_Batch] = deque()
         self.open = True
 
+    @property
+    def usable(self) -> bool:
+        """Not dropped, and not closed by the peer in a way not yet reported."""
+        return self.open and not self.transport.is_closing()
+
     def send(self, packed: Sequence[bytes], budget: float | None) -> asyncio.Future[list[Any]]:
         loop = asyncio.get_running_loop()
         batch = _Batch(len(packed), loop.create_future())
@@ -125,7 +130,7 @@ class RedisPipe:
         self._retry: Retry = pool.make_connection().retry  # a pooled connection's policy
         self._budget: float | None = pool.connection_kwargs.get("socket_timeout")
         self._connecting = asyncio.Lock()
-        self.connections = 0  # opened so far (a test and the bench read it)
+        self.connections = 0  # opened so far (the tests read it)
 
     @staticmethod
     def supports(redis: Redis) -> bool:
@@ -138,13 +143,13 @@ class RedisPipe:
 
     async def _send(self, packed: Sequence[bytes]) -> list[Any]:
         protocol = self._protocol
-        if protocol is None or not protocol.open or protocol.transport.is_closing():
+        if protocol is None or not protocol.usable:
             protocol = await self._connect()
         return await protocol.send(packed, self._budget)
 
     async def _connect(self) -> _PipeProtocol:
         async with self._connecting:
-            if self._protocol is not None and self._protocol.open:
+            if self._protocol is not None and self._protocol.usable:
                 return self._protocol  # another caller connected while this one waited
             if self._connection is None:
                 self._connection = await self.pool.get_connection()
