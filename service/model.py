@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import re
 import time
@@ -89,7 +90,14 @@ class Question:
 def timestamp(ms: int | str) -> str:
     """RFC 3339 UTC with milliseconds, from Redis TIME milliseconds."""
     seconds, millis = divmod(int(ms), 1000)
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{millis:03d}Z"
+    return f"{_utc_seconds(seconds)}.{millis:03d}Z"
+
+
+@functools.lru_cache(maxsize=4096)
+def _utc_seconds(seconds: int) -> str:
+    # strftime was a third of an envelope's CPU (6.4 -> 3.8 µs per answered envelope cached);
+    # an envelope's moments, and a list page's, fall on few distinct seconds.
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
 
 
 # msgspec: an order of magnitude faster than the json module both ways, which shows in the
