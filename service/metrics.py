@@ -1,25 +1,31 @@
 """Prometheus metrics: one registry per application, cheap hooks on the hot path.
 
-Counters and histograms that the request path touches are bound to their labels once and cached,
-so a request costs a dict lookup and an increment. Figures that already live on the components
-(waiters, sweeper totals, SSE subscribers, relay counts) are read only when Prometheus scrapes,
-by a collector, so they cost nothing between scrapes. Figures about Redis as a whole (the oldest
-overdue deadline, the outbox backlog, pending questions) are read from Redis once per scrape.
+The figures every request or script call moves (HTTP requests and durations, script durations
+and outcomes) are plain Python numbers per label set, turned into metric families at scrape:
+prometheus_client's own children take a lock and check their state on every call, which cost
+~8.5 µs of a fetch's ~91 µs of CPU under load (docs/benchmarks.md). Figures that already live on
+the components (waiters, sweeper totals, SSE subscribers, relay counts) are read only when
+Prometheus scrapes, by a collector, so they cost nothing between scrapes. Figures about Redis as
+a whole (the oldest overdue deadline, the outbox backlog, pending questions) are read from Redis
+once per scrape.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sized
-from typing import TYPE_CHECKING, Any, Protocol
+from bisect import bisect_left
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence, Sized
+from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -116,25 +122,10 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.http_requests = Counter(
-            "qs_http_requests", "HTTP requests by route template, method and status.",
-            ["route", "method", "status"], registry=r,
-        )  # fmt: skip
-        self.http_duration = Histogram(
-            "qs_http_request_duration_seconds", "HTTP request duration (long polls included).",
-            ["route", "method"], buckets=HTTP_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.transitions = Counter(
-            "qs_transitions", "Script outcomes: kind created|answered|cancelled|expired, result "
-            "applied|stale|replayed|refused|not_found|not_eligible.", ["kind", "result"], registry=r,
-        )  # fmt: skip
+        r.register(_TallyCollector(self))
         self.wake_latency = Histogram(
             "qs_wake_latency_seconds", "From a question's resolved_at (Redis TIME; for an expiry "
             "the deadline) to the moment its waiter can answer.", buckets=WAKE_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.redis_duration = Histogram(
-            "qs_redis_call_duration_seconds", "Duration of one script call, queueing and "
-            "coalescing included.", ["script"], buckets=REDIS_BUCKETS, registry=r,
         )  # fmt: skip
         self.redis_errors = Counter(
             "qs_redis_errors", "Script calls that failed in Redis, by kind "
@@ -173,9 +164,10 @@ class Metrics:
         self.sender: _Sender | None = None
         self.coalescer: _Coalescer | None = None
         self.caches: dict[str, Sized] = {}  # bounded in-process caches, by name
-        self._http: dict[tuple[str, str, int], tuple[Any, Any]] = {}
-        self._scripts: dict[str, Any] = {}
-        self._outcomes: dict[tuple[str, str], Any] = {}
+        self._http_requests: dict[tuple[str, str, str], int] = {}  # (route, method, status)
+        self._http_durations: dict[tuple[str, str], _Tally] = {}  # (route, method)
+        self._scripts: dict[str, _Tally] = {}
+        self._outcomes: dict[tuple[str, str], int] = {}  # (kind, result)
         self._prebind()
         r.register(_LiveCollector(self))
 
@@ -184,51 +176,47 @@ class Metrics:
         before the first event (a series that appears later hides its first increment)."""
         for kind in KIND.values():
             for result in TRANSITION_RESULTS:
-                self._outcomes[(kind, result)] = self.transitions.labels(kind, result)
+                self._outcomes[(kind, result)] = 0
         for script in (*KIND, "purge"):
-            self._scripts[script] = self.redis_duration.labels(script)
+            self._scripts[script] = _Tally(REDIS_BUCKETS)
             for error in ERROR_KINDS:
                 self.redis_errors.labels(script, error)
 
     # -- HTTP -----------------------------------------------------------------------------------
 
     def http_done(self, route: str, method: str, status: int, seconds: float) -> None:
-        key = (route, method, status)
-        children = self._http.get(key)
-        if children is None:
-            if method not in METHODS:
-                key = (route, "other", status)
-                method = "other"
-            children = self._http[key] = (
-                self.http_requests.labels(route, method, str(status)),
-                self.http_duration.labels(route, method),
-            )
-        children[0].inc()
-        children[1].observe(seconds)
+        if method not in METHODS:
+            method = "other"
+        key = (route, method, str(status))
+        self._http_requests[key] = self._http_requests.get(key, 0) + 1
+        tally = self._http_durations.get((route, method))
+        if tally is None:
+            tally = self._http_durations[(route, method)] = _Tally(HTTP_BUCKETS)
+        tally.observe(seconds)
 
     # -- scripts --------------------------------------------------------------------------------
 
     def script_done(self, name: str, args: Mapping[str, str | int], reply: Reply, seconds: float) -> None:
-        timer = self._scripts.get(name)
-        if timer is None:
-            timer = self._scripts[name] = self.redis_duration.labels(name)
-        timer.observe(seconds)
+        tally = self._scripts.get(name)
+        if tally is None:
+            tally = self._scripts[name] = _Tally(REDIS_BUCKETS)
+        tally.observe(seconds)
         kind = KIND.get(name)
         if kind is None:
             return
         code = reply.code.value
         if name == "expire":
             if code == "applied":
-                self._outcomes[(kind, "applied")].inc()
+                self._outcomes[(kind, "applied")] += 1
                 if args.get("want fields") == "1":  # a read (fetch, list, wait) expired it
                     self.inline_expired += 1
             elif code == "stale" and args.get("want fields") == "0":
-                self._outcomes[(kind, "stale")].inc()  # a sweeper or listener came second
+                self._outcomes[(kind, "stale")] += 1  # a sweeper or listener came second
             return
         if reply.expired_now:  # a late answer or cancel expired the question: stale tap + expiry
-            self._outcomes[("expired", "applied")].inc()
+            self._outcomes[("expired", "applied")] += 1
             self.inline_expired += 1
-        self._outcomes[(kind, RESULT[code])].inc()
+        self._outcomes[(kind, RESULT[code])] += 1
 
     def script_failed(self, name: str, exc: BaseException) -> None:
         self.redis_errors.labels(name, error_kind(exc)).inc()
@@ -280,6 +268,67 @@ def error_kind(exc: BaseException) -> str:
     if isinstance(exc, ScriptMisuse):
         return "misuse"
     return "other"
+
+
+class _Tally:
+    """One histogram series as plain numbers. The event loop is its only writer; a scrape reads it."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # per bucket, not cumulative; the last is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # the first bound >= value, as `le` means
+        self.sum += value
+
+    def buckets(self) -> list[tuple[str, float]]:
+        edges = [*map(floatToGoString, self.bounds), "+Inf"]
+        return list(zip(edges, itertools.accumulate(self.counts), strict=True))
+
+
+class _TallyCollector(Collector):
+    """The figures every request and script call moves, from their plain counts at scrape."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.m = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.m
+        requests = CounterMetricFamily(
+            "qs_http_requests", "HTTP requests by route template, method and status.",
+            labels=["route", "method", "status"],
+        )  # fmt: skip
+        for route_method_status, count in list(m._http_requests.items()):
+            requests.add_metric(route_method_status, count)
+        yield requests
+        yield _histogram(
+            "qs_http_request_duration_seconds", "HTTP request duration (long polls included).",
+            ["route", "method"], list(m._http_durations.items()),
+        )  # fmt: skip
+        transitions = CounterMetricFamily(
+            "qs_transitions", "Script outcomes: kind created|answered|cancelled|expired, result "
+            "applied|stale|replayed|refused|not_found|not_eligible.", labels=["kind", "result"],
+        )  # fmt: skip
+        for kind_result, count in list(m._outcomes.items()):
+            transitions.add_metric(kind_result, count)
+        yield transitions
+        yield _histogram(
+            "qs_redis_call_duration_seconds", "Duration of one script call, queueing and "
+            "coalescing included.", ["script"], [((name,), t) for name, t in list(m._scripts.items())],
+        )  # fmt: skip
+
+
+def _histogram(
+    name: str, doc: str, labels: list[str], tallies: Iterable[tuple[Sequence[str], _Tally]]
+) -> HistogramMetricFamily:
+    """`tallies`: a snapshot (a list), since a scrape may run while requests add series."""
+    family = HistogramMetricFamily(name, doc, labels=labels)
+    for values, tally in tallies:
+        family.add_metric(values, tally.buckets(), tally.sum)
+    return family
 
 
 class _LiveCollector(Collector):
