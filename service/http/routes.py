@@ -63,6 +63,8 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
 
 def check_query(request: web.Request) -> None:
     """Refuse query parameters a route does not take, rather than silently ignoring them."""
+    if not request.rel_url.raw_query_string:
+        return  # most requests: parsing an empty query cost ~3 µs of a fetch under load
     if request.match_info.http_exception is not None:
         return  # no route matched: the 404 or 405 (with Allow) says more than the query would
     smuggled = IDENTITY_FIELDS & set(request.query)
