@@ -140,6 +140,18 @@ def canonical_json(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), sort_keys=True, ensure_ascii=False, allow_nan=False)
 
 
+_sorted_json = msgspec.json.Encoder(order="sorted")
+
+
+def canonical_json_without_floats(value: Any) -> bytes:
+    """canonical_json's very text, UTF-8, for values without floats: strings, integers, booleans,
+    None, lists, string-keyed dicts, and msgspec.Raw pieces that are canonical already. Floats
+    differ (json writes 1e+16, msgspec 1e16) and non-finite ones would become null, so whatever
+    may hold them (metadata) goes through canonical_json. Three json.dumps calls were ~8 % of a
+    create's CPU (docs/benchmarks.md); tests/test_canonical_json.py holds the two to the same text."""
+    return _sorted_json.encode(value)
+
+
 def to_json(value: Any) -> bytes:
     """The wire JSON of every reply: compact, UTF-8, keys in the order built."""
     return msgspec.json.encode(value)

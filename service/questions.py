@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
+import msgspec
+
 from service.auth import Directory
 from service.bodies import Ask
 from service.cache import Cache
@@ -20,6 +22,7 @@ from service.model import (
     State,
     Target,
     canonical_json,
+    canonical_json_without_floats,
 )
 from service.scripts import Code, Reply
 from service.store import BadCursor, NewQuestion, Page, QuestionStore
@@ -59,16 +62,20 @@ class QuestionService:
     async def ask(self, asker: Principal, body: Ask, idempotency_key: str | None) -> tuple[Question, bool]:
         """Create a question; (question, True) when created, (original, False) on a replay."""
         require_kind(asker, Kind.AGENT, "only agents ask questions")
+        target = await self._target(body)
+        options = canonical_json_without_floats([{"id": o.id, "label": o.label} for o in body.options])
+        option_ids = unique_option_ids(body)
+        metadata = metadata_json(body)
         new = NewQuestion(
             asker=asker.id,
-            target=await self._target(body),
+            target=target,
             prompt=body.prompt,
-            options_json=canonical_json([{"id": o.id, "label": o.label} for o in body.options]),
-            option_ids=unique_option_ids(body),
-            metadata_json=metadata_json(body),
+            options_json=options.decode(),
+            option_ids=option_ids,
+            metadata_json=metadata,
             expires_in_ms=(body.expires_in or 0) * 1000,
             expires_at_ms=deadline_ms(body),
-            digest=request_digest(body),
+            digest=request_digest(body, metadata),
             webhook_url=body.webhook_url or "",
             webhook_secret=new_secret() if body.webhook_url else "",
         )
@@ -268,8 +275,10 @@ def unique_option_ids(body: Ask) -> list[str]:
 
 
 def metadata_json(body: Ask) -> str:
+    if not body.metadata:
+        return "{}"
     try:
-        encoded = canonical_json(body.metadata or {})
+        encoded = canonical_json(body.metadata)
     except (TypeError, ValueError, RecursionError) as exc:
         raise Invalid("metadata must be JSON-compatible (no binary, no non-finite numbers)") from exc
     if len(encoded.encode()) > MAX_METADATA_BYTES:
@@ -293,18 +302,20 @@ def deadline_ms(body: Ask) -> int:
     return int(moment.timestamp() * 1000)
 
 
-def request_digest(body: Ask) -> str:
-    """The same request sent as JSON or msgpack has the same digest."""
-    canonical = canonical_json(
+def request_digest(body: Ask, metadata_json: str) -> str:
+    """The same request sent as JSON or msgpack has the same digest. `metadata_json` is the body's
+    metadata as canonical_json wrote it (floats included), placed as it is."""
+    metadata = None if body.metadata is None else msgspec.Raw(metadata_json.encode())
+    canonical = canonical_json_without_floats(
         {
             "prompt": body.prompt,
             "options": [[o.id, o.label] for o in body.options],
             "to": [body.to.user, body.to.room],
             "expires_in": body.expires_in,
             "expires_at": body.expires_at,
-            "metadata": body.metadata,
+            "metadata": metadata,
             # Only when given, so digests of requests without one stay what they were.
             **({"webhook_url": body.webhook_url} if body.webhook_url is not None else {}),
         }
     )
-    return hashlib.sha256(canonical.encode()).hexdigest()
+    return hashlib.sha256(canonical).hexdigest()
