@@ -37,7 +37,7 @@ from service.errors import NotFound
 from service.keys import BUCKETS, Keys, bucket_of
 from service.model import envelope, timestamp, to_json
 from service.outbound import Attempt, OutboundPolicy, new_session, parse_nets, post
-from service.outbox import Entries, OutboxConsumer
+from service.outbox import OutboxConsumer, Read
 from service.pings import ChannelRegistry, ServerKeys, build_ping, parse_ref, send_ping
 from service.scripts import Code, Scripts, pairs_to_fields
 from service.settings import Settings
@@ -271,11 +271,11 @@ class OutboxFanout(OutboxConsumer):
         self.registry = registry
         self.pings = pings
 
-    async def handle(self, outbox: str, entries: Entries) -> None:
-        for entry_id, fields in entries:
-            if fields:  # empty: trimmed away before it was read
-                await self._fan_out(entry_id, fields)
-        await self.redis.xack(outbox, self.group, *(entry_id for entry_id, _ in entries))
+    async def process(self, read: Read) -> None:
+        for _outbox, entries in read:
+            for entry_id, fields in entries:
+                if fields:  # empty: trimmed away before it was read
+                    await self._fan_out(entry_id, fields)
 
     async def _fan_out(self, entry_id: str, event: dict[str, str]) -> None:
         question = pairs_to_fields(json.loads(event["question"]))

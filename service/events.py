@@ -28,10 +28,9 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from service.backoff import Backoff, stop_tasks
-from service.coalesce import exchange
 from service.keys import Keys
 from service.model import envelope, to_json
-from service.outbox import Entries, OutboxConsumer
+from service.outbox import OutboxConsumer, Read, run_all
 from service.redis_client import as_cluster, is_cluster
 from service.scripts import pairs_to_fields
 
@@ -76,42 +75,25 @@ class EventRelay(OutboxConsumer):
     def relayed(self) -> int:
         return self.handled
 
-    async def handle(self, outbox: str, entries: Entries) -> None:
-        await self.relay(outbox, entries)
-
-    async def relay(self, outbox: str, entries: Sequence[tuple[str, dict[str, str]]]) -> None:
-        recipients_of: dict[str, list[str]] = {}
+    async def process(self, read: Read) -> None:
+        """Every event of the read appended to its recipients' streams, in one round trip."""
+        rooms: dict[str, list[str]] = {}
         commands: list[tuple[Any, ...]] = []
         trim = ("MAXLEN", "~", self.maxlen)
-        for entry_id, fields in entries:
-            if not fields:
-                continue  # trimmed away before we read it
-            kind = CREATED if fields["type"] == CREATED else RESOLVED
-            question = pairs_to_fields(msgspec.json.decode(fields["question"]))
-            data = to_json(envelope(question)).decode()
-            ref = f"{outbox}/{entry_id}"
-            for principal in await self._recipients(kind, question, recipients_of):
-                stream = self.keys.events(principal)
-                commands.append(("XADD", stream, *trim, "*", "type", kind, "data", data, "outbox", ref))
-                commands.append(("EXPIRE", stream, self.ttl_seconds))
+        for outbox, entries in read:
+            for entry_id, fields in entries:
+                if not fields:
+                    continue  # trimmed away before we read it
+                kind = CREATED if fields["type"] == CREATED else RESOLVED
+                question = pairs_to_fields(msgspec.json.decode(fields["question"]))
+                data = to_json(envelope(question)).decode()
+                ref = f"{outbox}/{entry_id}"
+                for principal in await self._recipients(kind, question, rooms):
+                    stream = self.keys.events(principal)
+                    commands.append(("XADD", stream, *trim, "*", "type", kind, "data", data, "outbox", ref))
+                    commands.append(("EXPIRE", stream, self.ttl_seconds))
         if commands:
-            await self._append(commands)
-        # Only once every append succeeded: in one batch without MULTI an XACK would run even
-        # after an XADD failed (OOM under noeviction, say), and that event would be lost.
-        await self.redis.xack(outbox, GROUP, *(entry_id for entry_id, _ in entries))
-
-    async def _append(self, commands: Sequence[tuple[Any, ...]]) -> None:
-        """Every XADD and EXPIRE at once; the first error reply fails the whole batch."""
-        if is_cluster(self.redis):
-            # Every principal's stream has a slot of its own: redis-py splits the batch by node.
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for command in commands:
-                    pipe.execute_command(*command)
-                await pipe.execute()
-            return
-        for reply in await exchange(self.redis, commands):
-            if isinstance(reply, Exception):
-                raise reply
+            await run_all(self.redis, commands)
 
     async def _recipients(
         self, kind: str, question: dict[str, str], rooms: dict[str, list[str]]

@@ -3,9 +3,10 @@
 The transition scripts append every committed event to their bucket's outbox stream in the same
 script as the state change, so an event exists if and only if its transition committed. Each kind
 of consumer (the per-principal event relay, the webhook fan-out) reads the outboxes through its own
-consumer group, handles a batch, and acknowledges it only after handling succeeded; entries a dead
-consumer left unacknowledged are taken over with XAUTOCLAIM once idle long enough. Handlers must be
-idempotent, because an entry can be handled twice.
+consumer group, processes what one read returned (any number of outboxes), and only then
+acknowledges all of it in one round trip; entries a dead consumer left unacknowledged are taken
+over with XAUTOCLAIM once idle long enough. Processing must be idempotent, because an entry can be
+handled twice.
 """
 
 from __future__ import annotations
@@ -22,15 +23,17 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
 from service.backoff import Backoff, keep_running
+from service.coalesce import exchange
 from service.keys import BUCKETS, Keys
 from service.redis_client import is_cluster
 
 Entries = Sequence[tuple[str, dict[str, str]]]
+Read = Sequence[tuple[str, Entries]]  # (outbox, its entries) for each outbox one read returned
 RECLAIM_IDLE_MS = 30_000
 
 
 class OutboxConsumer(abc.ABC):
-    """Subclasses name their `group` and implement `handle`, which must acknowledge."""
+    """Subclasses name their `group` and implement `process`."""
 
     group = ""
     label = "outbox consumer"
@@ -45,9 +48,18 @@ class OutboxConsumer(abc.ABC):
         self.stopping = False  # checked each read: see backoff.stop_tasks
 
     @abc.abstractmethod
-    async def handle(self, outbox: str, entries: Entries) -> None:
-        """Handle a batch idempotently and only then acknowledge it (XACK): an ack batched with
-        writes that fail would drop the event."""
+    async def process(self, read: Read) -> None:
+        """Handle every entry of one read, idempotently. Entries trimmed away before the read
+        come with no fields."""
+
+    async def consume(self, read: Read) -> None:
+        """Process a read, then acknowledge all of it: only after, since an XACK sent with writes
+        that fail would drop their events."""
+        await self.process(read)
+        await run_all(
+            self.redis, [("XACK", outbox, self.group, *(i for i, _ in entries)) for outbox, entries in read]
+        )
+        self.handled += sum(len(entries) for _, entries in read)
 
     async def ensure_groups(self) -> None:
         for b in range(BUCKETS):
@@ -73,12 +85,12 @@ class OutboxConsumer(abc.ABC):
             if loop.time() >= next_reclaim:
                 await self.reclaim()
                 next_reclaim = loop.time() + self.reclaim_idle_ms / 3000
-            batches: Any = await self.blocking.xreadgroup(
+            read: Any = await self.blocking.xreadgroup(
                 self.group, self.consumer, streams, count=500, block=1000
             )
             backoff.succeeded()
-            for outbox, entries in batches or []:
-                await self._handle(outbox, entries)
+            if read:
+                await self.consume(read)
 
     async def _consume_buckets_forever(self) -> None:
         """Cluster: one blocking reader per bucket (each outbox is its own slot), and a reclaimer."""
@@ -92,11 +104,11 @@ class OutboxConsumer(abc.ABC):
         streams: dict[Any, Any] = {self.keys.outbox(b): ">"}
         while not self.stopping:
             try:
-                batches: Any = await self.blocking.xreadgroup(
+                read: Any = await self.blocking.xreadgroup(
                     self.group, self.consumer, streams, count=500, block=1000
                 )
-                for outbox, entries in batches or []:
-                    await self._handle(outbox, entries)
+                if read:
+                    await self.consume(read)
             except RedisError as exc:
                 await backoff.failed(exc)
                 continue
@@ -121,8 +133,19 @@ class OutboxConsumer(abc.ABC):
                 outbox, self.group, self.consumer, self.reclaim_idle_ms, "0-0", count=500
             )
             if claimed[1]:
-                await self._handle(outbox, claimed[1])
+                await self.consume([(outbox, claimed[1])])
 
-    async def _handle(self, outbox: str, entries: Entries) -> None:
-        await self.handle(outbox, entries)
-        self.handled += len(entries)
+
+async def run_all(redis: Redis, commands: Sequence[tuple[Any, ...]]) -> None:
+    """Every command at once, without MULTI; the first error reply fails the call (others may have
+    run: callers send only what is safe to repeat)."""
+    if is_cluster(redis):
+        # Outboxes and principals' streams each have a slot of their own: redis-py splits by node.
+        async with redis.pipeline(transaction=False) as pipe:
+            for command in commands:
+                pipe.execute_command(*command)
+            await pipe.execute()
+        return
+    for reply in await exchange(redis, commands):
+        if isinstance(reply, Exception):
+            raise reply

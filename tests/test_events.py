@@ -193,10 +193,45 @@ async def test_an_event_whose_append_failed_stays_unacknowledged_for_a_retry(no_
     relay = no_relay.relay()
     _, outbox, entries = await no_relay.ask_and_take(relay)
     with pytest.raises(ResponseError, match="WRONGTYPE"):
-        await relay.relay(outbox, entries)
+        await relay.consume([(outbox, entries)])
     assert (await redis.xpending(outbox, GROUP))["pending"] == 1
 
     await redis.delete(keys.events("alice"))
-    await relay.relay(outbox, entries)
+    await relay.consume([(outbox, entries)])
     assert (await redis.xpending(outbox, GROUP))["pending"] == 0
     assert await redis.xlen(keys.events("alice")) == 1
+
+
+async def test_one_read_across_outboxes_is_relayed_and_acknowledged_in_every_outbox(
+    no_relay: NoRelay,
+) -> None:
+    redis, keys = no_relay.redis, no_relay.keys
+    relay = no_relay.relay()
+    taken: dict[str, list[Any]] = {}
+    while len(taken) < 3:  # questions land in random buckets: ask until three outboxes hold one
+        _, outbox, entries = await no_relay.ask_and_take(relay)
+        taken.setdefault(outbox, []).extend(entries)
+    read = list(taken.items())
+
+    await relay.consume(read)
+
+    relayed = sum(len(entries) for entries in taken.values())
+    assert await redis.xlen(keys.events("alice")) == relayed
+    for outbox in taken:
+        assert (await redis.xpending(outbox, GROUP))["pending"] == 0
+
+
+async def test_a_failed_append_leaves_the_whole_read_unacknowledged(no_relay: NoRelay) -> None:
+    redis, keys = no_relay.redis, no_relay.keys
+    relay = no_relay.relay()
+    taken: dict[str, list[Any]] = {}
+    while len(taken) < 2:
+        _, outbox, entries = await no_relay.ask_and_take(relay)
+        taken.setdefault(outbox, []).extend(entries)
+    await redis.set(keys.events("alice"), "not a stream")  # every XADD to it fails: WRONGTYPE
+
+    with pytest.raises(ResponseError, match="WRONGTYPE"):
+        await relay.consume(list(taken.items()))
+
+    for outbox, entries in taken.items():
+        assert (await redis.xpending(outbox, GROUP))["pending"] == len(entries)
