@@ -65,12 +65,13 @@ class Proc:
         self.args = args
         self.env = dict(os.environ if env is None else env)
         self.log_path = logdir / f"{name}.log"
+        self.cwd = ROOT  # `python -m` imports from here first (bench.ab runs an older tree this way)
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Proc:
         log = open(self.log_path, "wb")  # noqa: SIM115 - the child owns it for its lifetime
         self.process = subprocess.Popen(
-            self.args, env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
+            self.args, env=self.env, cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT
         )
         log.close()
         return self

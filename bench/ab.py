@@ -1,0 +1,110 @@
+"""A/B of two versions of the service: CPU per request, which wrk's requests/s hides in noise.
+
+    python -m bench.ab --old <git revision> [--script fetch|create] [--rounds 5] [--seconds 5]
+
+Starts one Redis and two `serve` processes on it: this checkout and `--old` (a temporary git
+worktree, the old process's working directory, which `python -m` imports from first). Each has its
+own key prefix, so neither's outbox consumers work for the other. wrk -c64 then alternates between
+them (2 s of warm-up, then the measured run, the order flipped every round), and each run's
+process CPU from /proc is divided by its requests. Prints each round and the medians. Between
+two identical processes the medians differ by 1-3 % here (docs/benchmarks.md, "Findings of
+2026-12-04, fourth session").
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from bench.loadgen import run_wrk
+from bench.procs import ADMIN_TOKEN, ROOT, RedisProc, ServiceProc, cpu_seconds
+from bench.seed import OPTIONS, PROMPT, principal
+
+SEEDED_QUESTIONS = 32  # fetch cycles through these
+
+
+@dataclass
+class Side:
+    name: str
+    service: ServiceProc
+    env: dict[str, str] = field(default_factory=dict)
+    rounds: list[tuple[float, float]] = field(default_factory=list)  # (requests/s, µs CPU/request)
+
+
+async def seed(url: str) -> tuple[str, list[str]]:
+    """An agent's token and a few pending questions for the user alice: what the wrk scripts need."""
+    agent = await principal(url, ADMIN_TOKEN, "bench-agent", "agent")
+    await principal(url, ADMIN_TOKEN, "alice", "user")
+    ids = []
+    body = {"prompt": PROMPT, "options": OPTIONS, "to": {"user": "alice"}, "expires_in": 3600}
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {agent}"}) as http:
+        for _ in range(SEEDED_QUESTIONS):
+            async with http.post(f"{url}/v1/questions", json=body) as reply:
+                if reply.status != 201:
+                    raise RuntimeError(f"seeding: {reply.status} {await reply.text()}")
+                ids.append((await reply.json())["id"])
+    return agent, ids
+
+
+def measure(side: Side, script: str, seconds: float) -> None:
+    run_wrk(side.service.url, script, seconds=2, connections=64, env=side.env)  # warm-up
+    before = cpu_seconds(side.service.pid)
+    result = run_wrk(side.service.url, script, seconds=seconds, connections=64, env=side.env)
+    used = cpu_seconds(side.service.pid) - before
+    side.rounds.append((result.rps, used / result.requests * 1e6))
+    print(f"  {side.name}: {result.rps:,.0f} req/s, {side.rounds[-1][1]:.1f} µs CPU/request", flush=True)
+
+
+def run(old: str, script: str, rounds: int, seconds: float) -> list[Side]:
+    work = Path(tempfile.mkdtemp(prefix="bench-ab-"))
+    tree = work / "old"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(tree), old], check=True)
+    redis = RedisProc(work).start()
+    sides: list[Side] = []
+    try:
+        for name, cwd, prefix in ((f"old {old}", tree, "ab-old"), ("this checkout", ROOT, "ab-new")):
+            service = ServiceProc(work, redis.url, name=prefix, key_prefix=prefix)
+            service.cwd = cwd
+            sides.append(Side(name, service.start()))
+        for side in sides:
+            agent, ids = asyncio.run(seed(side.service.url))
+            ids_file = work / f"{side.service.name}-ids.txt"
+            ids_file.write_text("\n".join(ids) + "\n")
+            side.env = {"BENCH_AGENT_TOKEN": agent, "BENCH_USER": "alice", "BENCH_IDS_FILE": str(ids_file)}
+        for r in range(rounds):
+            print(f"round {r + 1} of {rounds}", flush=True)
+            for side in sides if r % 2 == 0 else sides[::-1]:
+                measure(side, script, seconds)
+    finally:
+        for side in sides:
+            side.service.stop()
+        redis.stop()
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+    return sides
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--old", required=True, help="the git revision to compare this checkout with")
+    parser.add_argument("--script", default="fetch", choices=["fetch", "create"])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    args = parser.parse_args()
+    sides = run(args.old, args.script, args.rounds, args.seconds)
+    print(f"\n{args.script}, medians of {args.rounds} rounds:")
+    for side in sides:
+        rps = statistics.median(r for r, _ in side.rounds)
+        cpu = statistics.median(c for _, c in side.rounds)
+        print(f"  {side.name}: {rps:,.0f} req/s, {cpu:.1f} µs CPU/request")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
