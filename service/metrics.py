@@ -297,28 +297,33 @@ class _TallyCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         m = self.m
-        requests = CounterMetricFamily(
+        yield _counters(
             "qs_http_requests", "HTTP requests by route template, method and status.",
-            labels=["route", "method", "status"],
+            ["route", "method", "status"], list(m._http_requests.items()),
         )  # fmt: skip
-        for route_method_status, count in list(m._http_requests.items()):
-            requests.add_metric(route_method_status, count)
-        yield requests
         yield _histogram(
             "qs_http_request_duration_seconds", "HTTP request duration (long polls included).",
             ["route", "method"], list(m._http_durations.items()),
         )  # fmt: skip
-        transitions = CounterMetricFamily(
+        yield _counters(
             "qs_transitions", "Script outcomes: kind created|answered|cancelled|expired, result "
-            "applied|stale|replayed|refused|not_found|not_eligible.", labels=["kind", "result"],
+            "applied|stale|replayed|refused|not_found|not_eligible.", ["kind", "result"],
+            list(m._outcomes.items()),
         )  # fmt: skip
-        for kind_result, count in list(m._outcomes.items()):
-            transitions.add_metric(kind_result, count)
-        yield transitions
         yield _histogram(
             "qs_redis_call_duration_seconds", "Duration of one script call, queueing and "
             "coalescing included.", ["script"], [((name,), t) for name, t in list(m._scripts.items())],
         )  # fmt: skip
+
+
+def _counters(
+    name: str, doc: str, labels: list[str], counts: Iterable[tuple[Sequence[str], int]]
+) -> CounterMetricFamily:
+    """`counts`: a snapshot (a list), since a scrape may run while requests add series."""
+    family = CounterMetricFamily(name, doc, labels=labels)
+    for values, count in counts:
+        family.add_metric(values, count)
+    return family
 
 
 def _histogram(
