@@ -117,14 +117,24 @@ def serving_app(settings: Settings) -> web.Application:
     return app
 
 
+YOUNG_GENERATION_THRESHOLD = 10_000
+
+
 async def freeze_startup_objects(app: web.Application) -> None:
     """Move everything alive once the app has started (modules, scripts, pools, routes) out of the
     garbage collector's sight. Each full collection walked all of it: ~50 ms per pause with ~90,000
     tracked objects, the p99 of every route (docs/benchmarks.md). Runs after the cleanup contexts
     (on_startup keeps the order of registration). In `serve` and the bench's servers, never in
-    the tests' many short-lived apps: whatever is frozen and later dropped in a cycle stays."""
+    the tests' many short-lived apps: whatever is frozen and later dropped in a cycle stays.
+
+    The young generation is then collected after 10,000 net new objects instead of 700: each
+    request leaves cycles (request, task, futures) for the collector, and every collection also
+    walks whatever the requests in flight hold, so fewer, larger collections cost less. Measured
+    with bench.ab (medians, this commit against the one before): fetch 91.7 -> 86.8 µs, create
+    173.4 -> 164.5 µs of CPU per request. The bench's baseline runs this function too."""
     gc.collect()
     gc.freeze()
+    gc.set_threshold(YOUNG_GENERATION_THRESHOLD, *gc.get_threshold()[1:])
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:

@@ -10,7 +10,7 @@ import sys
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from service.__main__ import serving_app
+from service.__main__ import YOUNG_GENERATION_THRESHOLD, serving_app
 from service.settings import Settings
 from tests.conftest import close_client
 
@@ -65,14 +65,20 @@ def test_a_bad_setting_exits_2_and_names_the_variable(settings: Settings) -> Non
     assert "QS_PORT" in worse.stderr
 
 
-async def test_serve_freezes_what_startup_made_so_full_collections_skip_it(settings: Settings) -> None:
+async def test_serve_freezes_what_startup_made_and_collects_the_young_generation_less_often(
+    settings: Settings,
+) -> None:
     gc.unfreeze()
+    thresholds = gc.get_threshold()
     client: TestClient[object, object] = TestClient(TestServer(serving_app(settings)))
     await client.start_server()
     try:
         frozen = gc.get_freeze_count()
         assert frozen > 10_000  # the modules, scripts, pools and routes of a started service
+        assert gc.get_threshold() == (YOUNG_GENERATION_THRESHOLD, *thresholds[1:])
+        assert thresholds[0] < YOUNG_GENERATION_THRESHOLD
         assert (await client.get("/healthz")).status == 200
     finally:
         gc.unfreeze()  # the other tests' apps come and go: none of theirs may stay frozen
+        gc.set_threshold(*thresholds)
         await close_client(client)
