@@ -267,7 +267,7 @@ class Ping:
 
 def story(fields: dict[str, str]) -> tuple[str, str]:
     """(title, body) of a resolved question, as the web inbox says it."""
-    state = State(fields["state"])
+    state = State.of(fields["state"])
     labels = {o["id"]: o["label"] for o in json.loads(fields["options"])}
     if state is State.ANSWERED:
         return f"Answered: {labels.get(fields['ans_option'], fields['ans_option'])}", (
@@ -283,7 +283,7 @@ async def build_ping(
     fields: dict[str, str], user: str, public_url: str, action_key: bytes, envelope: dict[str, Any]
 ) -> Ping:
     link = f"{public_url}/#question={fields['id']}"
-    if State(fields["state"]) is not State.PENDING:
+    if State.of(fields["state"]) is not State.PENDING:
         title, body = story(fields)
         return Ping(fields["id"], title, body, link, [], True, envelope)
     buttons = []
