@@ -128,6 +128,11 @@ async def test_registration_shows_the_secret_once_lists_without_it_rotates_and_d
         {"url": "http://10.1.2.3/x", "events": ["question.answered"]},
         {"url": "http://[::1]/x", "events": ["question.answered"]},
         {"url": "http://169.254.169.254/latest/meta-data", "events": ["question.answered"]},
+        {"url": "http://2130706433:9/x", "events": ["question.answered"]},
+        {"url": "http://127.1:9/x", "events": ["question.answered"]},
+        {"url": "http://0x7f.1:9/x", "events": ["question.answered"]},
+        {"url": "http://0177.0.0.1/x", "events": ["question.answered"]},
+        {"url": "http://8.8.8.8./x", "events": ["question.answered"]},
         {"url": "ftp://example.com/x", "events": ["question.answered"]},
         {"url": "https://user:pw@example.com/x", "events": ["question.answered"]},
         {"url": "https://example.com/x", "events": ["question.deleted"]},
@@ -304,6 +309,11 @@ async def test_the_sender_refuses_private_addresses_unless_allow_listed(
 )
 def test_outbound_policy_refuses_every_non_public_address(address: str, refused: bool) -> None:
     assert OutboundPolicy().refuses(ipaddress.ip_address(address)) is refused
+
+
+@pytest.mark.parametrize("host", ["example.com", "1e100.net", "8.8.8.8", "[2001:4860:4860::8888]", "x.0x7f"])
+def test_public_names_and_dotted_quads_pass_the_url_check(host: str) -> None:
+    assert OutboundPolicy().check_url(f"https://{host}/hook") == f"https://{host}/hook"
 
 
 def test_the_allow_list_opens_exactly_its_networks() -> None:
