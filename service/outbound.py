@@ -68,22 +68,19 @@ class OutboundPolicy:
             raise Invalid("the URL must be http:// or https:// with a host")
         if parts.username or parts.password:
             raise Invalid("the URL must not carry credentials")
-        if _legacy_ipv4(host):
-            raise Invalid(f"{host} is an IPv4 address in a legacy form: write it as four decimal parts")
         literal = _literal_address(host)
+        if literal is None and _LEGACY_IPV4.match(host):
+            raise Invalid(f"{host} is an IPv4 address in a legacy form: write it as four decimal parts")
         if (literal is not None and self.refuses(literal)) or host.lower().rstrip(".") == "localhost":
             raise Invalid(f"{host} is a loopback, private, link-local or reserved address")
         return url
 
 
+# `2130706433`, `127.1`, `0x7f.1`, `0177.0.0.1`: what inet_aton reads as 127.0.0.1. The address
+# check only knows dotted quads, and delivery refuses these spellings, so a webhook registered
+# with one would only retry until it is dead-lettered. A canonical quad also matches: callers
+# ask only when the host is not an address already.
 _LEGACY_IPV4 = re.compile(r"^(?:0x[0-9a-f]*|[0-9]+)(?:\.(?:0x[0-9a-f]*|[0-9]+)){0,3}\.?\Z", re.IGNORECASE)
-
-
-def _legacy_ipv4(host: str) -> bool:
-    """`2130706433`, `127.1`, `0x7f.1`, `0177.0.0.1`: what inet_aton reads as 127.0.0.1. The
-    address check below only knows dotted quads, and delivery refuses these spellings, so a
-    webhook registered with one would only retry until it is dead-lettered."""
-    return _LEGACY_IPV4.match(host) is not None and _literal_address(host) is None
 
 
 def _literal_address(host: str) -> IPAddress | None:
