@@ -86,6 +86,24 @@ def _set_if_pending(future: asyncio.Future[Any], result: Any = None) -> None:
         future.set_result(result)
 
 
+def _connect_one_at_a_time(connection: Any) -> None:
+    """redis-py's PubSub reconnects from whichever task's command failed (the reader's read, a
+    SUBSCRIBE, an UNSUBSCRIBE), and a connection's connect takes no lock: racing connects each
+    opened a socket, the later overwrote the earlier, which stayed open and subscribed until the
+    garbage collector closed it (a chaos run's ResourceWarning, 2026-12-04). A second connect
+    now waits for the first and finds the connection open."""
+    lock = asyncio.Lock()
+    connect = connection.connect_check_health
+
+    async def one_at_a_time(*args: Any, **kwargs: Any) -> None:
+        if connection.is_connected:  # as redis-py's own first check; its resubscribe nests here
+            return
+        async with lock:
+            await connect(*args, **kwargs)
+
+    connection.connect_check_health = one_at_a_time
+
+
 @dataclass(slots=True)
 class _Channel:
     question_id: str
@@ -240,7 +258,7 @@ class Waiters:
             if self._pubsub.connection is None:
                 async with self._connect_lock:
                     await self._pubsub.connect()  # type: ignore[no-untyped-call]
-                    self._count_reconnects()
+                    self._adopt_connection()
             await self._pubsub.subscribe(*(channel for channel, _ in fresh))
         except BaseException as exc:
             for _, entry in fresh:
@@ -271,12 +289,14 @@ class Waiters:
                 if entry.pending_subscribes == 0:
                     entry.confirmed()
 
-    def _count_reconnects(self) -> None:
+    def _adopt_connection(self) -> None:
         """redis-py reconnects the pub/sub connection by itself (and resubscribes); its connect
-        callbacks run on every later connect of the same connection."""
+        callbacks run on every later connect of the same connection, and those connects are
+        made one at a time."""
         connection = self._pubsub.connection
         if connection is not None:
             connection.register_connect_callback(self._reconnected)
+            _connect_one_at_a_time(connection)
 
     def _reconnected(self, _connection: Any) -> None:
         self.reconnects += 1

@@ -373,3 +373,46 @@ async def test_concurrent_first_waits_on_a_fresh_process_share_one_pubsub_connec
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_racing_reconnects_of_the_pubsub_connection_leave_no_socket_open_behind(
+    long_wait_client: TestClient[object, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """redis-py reconnects the pub/sub connection from whichever task's command failed (the
+    reader's read, a SUBSCRIBE, an UNSUBSCRIBE), each calling the connection's connect. Racing
+    connects each opened a socket and the later overwrote the earlier, which stayed open and
+    subscribed until the garbage collector closed it (a ResourceWarning in a chaos run). Every
+    socket the connection opened and no longer uses must be closed, and waiting still works."""
+    client = long_wait_client
+    api = Api(client, ADMIN_TOKEN)
+    agent = await api.principal("agent", "agent")
+    alice = await api.principal("alice", "user")
+    question_id = (await api.ask(agent, {"user": "alice"}))["id"]
+    waiters = client.server.app[WAITERS]
+    wait = asyncio.create_task(waiters.wait(question_id, 30))
+    await eventually(lambda: _true(waiters.waiting == 1), within=10, what="the waiter registered")
+    connection = waiters._pubsub.connection
+    assert connection is not None
+    opened: list[asyncio.StreamWriter] = []
+    plain_open = connection._connect
+
+    async def recorded_open() -> None:
+        await plain_open()
+        opened.append(connection._writer)
+
+    monkeypatch.setattr(connection, "_connect", recorded_open)
+    await connection.disconnect()
+    await asyncio.gather(*(connection.connect() for _ in range(10)))
+
+    async def settled() -> bool:
+        return connection.is_connected and waiters.confirming == 0
+
+    await eventually(settled, within=10, what="the pub/sub connection back")
+    assert opened, "no reconnect happened: the test proved nothing"
+    left_open = [w for w in opened if w is not connection._writer and not w.transport.is_closing()]
+    assert left_open == [], f"{len(left_open)} of {len(opened)} sockets left open"
+    await api.answer(alice, question_id, "yes")
+    async with asyncio.timeout(10):
+        woken = await wait
+    assert woken is not None
+    assert woken.state.value == "answered"
