@@ -36,7 +36,7 @@ from service.questions import Outcome
 from service.stats import LOSSY, redis_checks, warnings_of
 
 PRINCIPAL = web.RequestKey("principal", Principal)
-_PREFER_WAIT = re.compile(r"(?:^|[,;\s])wait\s*=\s*\"?(\d+(?:\.\d+)?)\"?", re.IGNORECASE)
+_PREFER_WAIT = re.compile(r"(?:^|[,;\s])wait\s*=\s*\"?(\d+(?:\.\d+)?)\"?\s*(?:[,;]|$)", re.IGNORECASE)
 _DIGITS = re.compile(r"^[0-9]{1,9}\Z")
 _IDEMPOTENCY_KEY = re.compile(r'^"?([\x21\x23-\x7e]{1,255})"?$')
 
@@ -138,9 +138,9 @@ async def cancel(request: web.Request) -> web.Response:
 
 
 async def wait(request: web.Request) -> web.Response:
-    timeout = wait_seconds(request)
+    timeout, preferred = wait_seconds(request)
     question = await request.app[QUESTIONS].wait(request[PRINCIPAL], request.match_info["id"], timeout)
-    headers = {"Preference-Applied": f"wait={timeout:g}"} if "Prefer" in request.headers else {}
+    headers = {"Preference-Applied": f"wait={timeout:g}"} if preferred else {}
     return respond(request, question.envelope(), headers=headers)
 
 
@@ -158,22 +158,25 @@ async def wait_many(request: web.Request) -> web.Response:
     return respond(request, {"items": items, "mode": body.mode, "condition_met": met})
 
 
-def wait_seconds(request: web.Request) -> float:
-    """`?timeout=S` or `Prefer: wait=S` (RFC 7240), clamped to the configured maximum."""
+def wait_seconds(request: web.Request) -> tuple[float, bool]:
+    """`?timeout=S` or else `Prefer: wait=S` (RFC 7240), clamped to the configured maximum, and
+    whether the preference was the one applied. A preference without a usable wait value is
+    ignored, as RFC 7240 asks of preferences a server cannot comply with; a bad `?timeout` is 422."""
     settings = request.app[SETTINGS]
     raw = request.query.get("timeout")
+    preferred = False
     if raw is None:
         match = _PREFER_WAIT.search(request.headers.get("Prefer", ""))
-        raw = match.group(1) if match else None
+        raw, preferred = (match.group(1), True) if match else (None, False)
     if raw is None:
-        return settings.wait_default_seconds
+        return settings.wait_default_seconds, False
     try:
         seconds = float(raw)
     except ValueError:
         raise Invalid("timeout must be a number of seconds") from None
     if not 0 <= seconds < float("inf"):
         raise Invalid("timeout must be a non-negative number of seconds")
-    return min(seconds, settings.wait_max_seconds)
+    return min(seconds, settings.wait_max_seconds), preferred
 
 
 def idempotency_key(request: web.Request) -> str | None:
