@@ -442,6 +442,31 @@ async def test_another_members_later_tap_returns_the_first_answer_unapplied(cast
     assert later == {"applied": False, "question": first["question"]}
 
 
+async def test_room_membership_is_read_when_someone_answers_not_when_the_question_was_asked(
+    cast: Cast,
+) -> None:
+    """A room with no members takes questions; a member added later may answer, and a member
+    removed after the question was asked no longer may (404, nothing changes)."""
+    client, admin = cast.api.client, cast.admin
+    emptied = await send(client, "PUT", "/v1/admin/rooms/later", admin, body={"members": []})
+    assert emptied.status == 200, emptied.data
+    first = await ask(cast, {"room": "later"})
+    second = await ask(cast, {"room": "ops"})
+    assert (await cast.api.answer(cast.dave, first["id"], "yes")).status == 404
+
+    joined = await send(client, "PUT", "/v1/admin/rooms/later/members/dave", admin)
+    assert joined.status == 200, joined.data
+    answered = await answer(cast, cast.dave, first["id"])
+    assert answered["applied"] is True
+    assert answered["question"]["answer"]["responder"] == "dave"
+
+    left = await send(client, "DELETE", "/v1/admin/rooms/ops/members/bob", admin)
+    assert left.status == 204
+    async with Unchanged(cast.api):
+        assert (await cast.api.answer(cast.bob, second["id"], "yes")).status == 404
+    assert (await answer(cast, cast.carol, second["id"]))["applied"] is True
+
+
 async def test_an_unknown_option_is_422_and_changes_nothing(cast: Cast) -> None:
     created = await ask(cast)
     async with Unchanged(cast.api):
