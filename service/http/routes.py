@@ -164,10 +164,9 @@ def wait_seconds(request: web.Request) -> tuple[float, bool]:
     ignored, as RFC 7240 asks of preferences a server cannot comply with; a bad `?timeout` is 422."""
     settings = request.app[SETTINGS]
     raw = request.query.get("timeout")
-    preferred = False
-    if raw is None:
-        match = _PREFER_WAIT.search(request.headers.get("Prefer", ""))
-        raw, preferred = (match.group(1), True) if match else (None, False)
+    preferred = None if raw is not None else _PREFER_WAIT.search(request.headers.get("Prefer", ""))
+    if preferred is not None:
+        raw = preferred.group(1)
     if raw is None:
         return settings.wait_default_seconds, False
     try:
@@ -176,7 +175,7 @@ def wait_seconds(request: web.Request) -> tuple[float, bool]:
         raise Invalid("timeout must be a number of seconds") from None
     if not 0 <= seconds < float("inf"):
         raise Invalid("timeout must be a non-negative number of seconds")
-    return min(seconds, settings.wait_max_seconds), preferred
+    return min(seconds, settings.wait_max_seconds), preferred is not None
 
 
 def idempotency_key(request: web.Request) -> str | None:
