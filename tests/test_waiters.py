@@ -390,7 +390,7 @@ async def test_racing_reconnects_of_the_pubsub_connection_leave_no_socket_open_b
     question_id = (await api.ask(agent, {"user": "alice"}))["id"]
     waiters = client.server.app[WAITERS]
     wait = asyncio.create_task(waiters.wait(question_id, 30))
-    await eventually(lambda: _true(waiters.waiting == 1), within=10, what="the waiter registered")
+    await until_waiting(client, 1)
     connection = waiters._pubsub.connection
     assert connection is not None
     opened: list[asyncio.StreamWriter] = []
