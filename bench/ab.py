@@ -1,6 +1,6 @@
 """A/B of two versions of the service: CPU per request, which wrk's requests/s hides in noise.
 
-    python -m bench.ab --old <git revision> [--script fetch|create] [--rounds 5] [--seconds 5]
+    python -m bench.ab --old <git revision> [--script fetch|room-fetch|create] [--rounds 5] [--seconds 5]
 
 Starts one Redis and two `serve` processes on it: this checkout and `--old` (a temporary git
 worktree, the old process's working directory, which `python -m` imports from first). Each has its
@@ -29,6 +29,7 @@ from bench.procs import ADMIN_TOKEN, ROOT, RedisProc, ServiceProc, cpu_seconds
 from bench.seed import OPTIONS, PROMPT, principal
 
 SEEDED_QUESTIONS = 32  # fetch cycles through these
+WRK_SCRIPTS = {"room-fetch": "fetch"}  # a scenario's wrk script, when it is not its own name
 
 
 @dataclass
@@ -39,19 +40,31 @@ class Side:
     rounds: list[tuple[float, float]] = field(default_factory=list)  # (requests/s, µs CPU/request)
 
 
-async def seed(url: str) -> tuple[str, list[str]]:
-    """An agent's token and a few pending questions for the user alice: what the wrk scripts need."""
+async def seed(url: str, *, room: bool = False) -> tuple[str, str, list[str]]:
+    """The tokens of an agent and of the user alice, and a few pending questions for alice (or
+    for a room of hers): what the wrk scripts need."""
     agent = await principal(url, ADMIN_TOKEN, "bench-agent", "agent")
-    await principal(url, ADMIN_TOKEN, "alice", "user")
+    alice = await principal(url, ADMIN_TOKEN, "alice", "user")
+    to = {"user": "alice"}
+    if room:
+        to = {"room": "bench-room"}
+        admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        put = f"{url}/v1/admin/rooms/bench-room"
+        async with (
+            aiohttp.ClientSession(headers=admin) as http,
+            http.put(put, json={"members": ["alice"]}) as reply,
+        ):
+            if reply.status != 200:
+                raise RuntimeError(f"seeding the room: {reply.status} {await reply.text()}")
     ids = []
-    body = {"prompt": PROMPT, "options": OPTIONS, "to": {"user": "alice"}, "expires_in": 3600}
+    body = {"prompt": PROMPT, "options": OPTIONS, "to": to, "expires_in": 3600}
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {agent}"}) as http:
         for _ in range(SEEDED_QUESTIONS):
             async with http.post(f"{url}/v1/questions", json=body) as reply:
                 if reply.status != 201:
                     raise RuntimeError(f"seeding: {reply.status} {await reply.text()}")
                 ids.append((await reply.json())["id"])
-    return agent, ids
+    return agent, alice, ids
 
 
 def measure(side: Side, script: str, seconds: float) -> None:
@@ -59,6 +72,8 @@ def measure(side: Side, script: str, seconds: float) -> None:
     before = cpu_seconds(side.service.pid)
     result = run_wrk(side.service.url, script, seconds=seconds, connections=64, env=side.env)
     used = cpu_seconds(side.service.pid) - before
+    if result.error_total or result.non_2xx:  # a cheap refusal is not the route being measured
+        raise RuntimeError(f"{side.name}: {result.non_2xx} non-2xx replies, errors {result.errors}")
     side.rounds.append((result.rps, used / result.requests * 1e6))
     print(f"  {side.name}: {result.rps:,.0f} req/s, {side.rounds[-1][1]:.1f} µs CPU/request", flush=True)
 
@@ -75,14 +90,15 @@ def run(old: str, script: str, rounds: int, seconds: float) -> list[Side]:
             service.cwd = cwd
             sides.append(Side(name, service.start()))
         for side in sides:
-            agent, ids = asyncio.run(seed(side.service.url))
+            agent, alice, ids = asyncio.run(seed(side.service.url, room=script == "room-fetch"))
             ids_file = work / f"{side.service.name}-ids.txt"
             ids_file.write_text("\n".join(ids) + "\n")
-            side.env = {"BENCH_AGENT_TOKEN": agent, "BENCH_USER": "alice", "BENCH_IDS_FILE": str(ids_file)}
+            reader = alice if script == "room-fetch" else agent  # fetch.lua sends this token
+            side.env = {"BENCH_AGENT_TOKEN": reader, "BENCH_USER": "alice", "BENCH_IDS_FILE": str(ids_file)}
         for r in range(rounds):
             print(f"round {r + 1} of {rounds}", flush=True)
             for side in sides if r % 2 == 0 else sides[::-1]:
-                measure(side, script, seconds)
+                measure(side, WRK_SCRIPTS.get(script, script), seconds)
     finally:
         for side in sides:
             side.service.stop()
@@ -94,7 +110,7 @@ def run(old: str, script: str, rounds: int, seconds: float) -> list[Side]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--old", required=True, help="the git revision to compare this checkout with")
-    parser.add_argument("--script", default="fetch", choices=["fetch", "create"])
+    parser.add_argument("--script", default="fetch", choices=["fetch", "room-fetch", "create"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=5.0)
     args = parser.parse_args()

@@ -11,13 +11,15 @@ import hmac
 import re
 import secrets
 import time
-from collections.abc import Sequence, Sized
+from collections.abc import Awaitable, Sequence, Sized
 from dataclasses import dataclass
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
 from service.cache import Cache
+from service.coalesce import Coalescer
 from service.errors import Conflict, Invalid, NotFound
 from service.keys import Keys
 from service.model import IDENTIFIER, Kind, Principal
@@ -47,8 +49,21 @@ class IssuedToken:
 
 
 class Directory:
-    def __init__(self, redis: Redis, keys: Keys, admin_token: str = "", cache_seconds: float = 0):
+    """`reads`: the coalescer that request-path reads (token, principal, room, membership) go
+    through, one batch per event-loop turn on one connection, instead of a pooled connection each.
+    Writes and the admin's reads use the pool."""
+
+    def __init__(
+        self,
+        redis: Redis,
+        keys: Keys,
+        admin_token: str = "",
+        cache_seconds: float = 0,
+        *,
+        reads: Coalescer | None = None,
+    ):
         self.redis = redis
+        self.reads = reads
         self.keys = keys
         self.admin_token = admin_token
         # Token -> principal for a few seconds: a revocation reaches other processes that late.
@@ -60,6 +75,11 @@ class Directory:
     def caches(self) -> dict[str, Sized]:
         """The in-process caches by name, for qs_cache_entries."""
         return {"tokens": self.cache, "principals": self._principals, "room_members": self._rooms}
+
+    def _read(self, command: str, key: str, *args: str) -> Awaitable[Any]:
+        if self.reads is not None:
+            return self.reads.read(command, key, *args)
+        return self.redis.execute_command(command, key, *args)  # type: ignore[no-untyped-call]
 
     # -- principals -----------------------------------------------------------------------------
 
@@ -92,7 +112,7 @@ class Directory:
         known = self._principals.get(principal_id)
         if known is not None:
             return known
-        found = await self.redis.hmget(self.keys.principal(principal_id), "kind", "display_name")
+        found = await self._read("HMGET", self.keys.principal(principal_id), "kind", "display_name")
         if found[0] is None:
             return None
         principal = Principal(principal_id, Kind(str(found[0])), str(found[1] or ""))
@@ -142,7 +162,7 @@ class Directory:
         cached = self.cache.get(digest)
         if cached is not None:
             return cached
-        principal_id = await self.redis.hget(self.keys.token(digest), "principal")
+        principal_id = await self._read("HGET", self.keys.token(digest), "principal")
         principal = None if principal_id is None else await self.principal(str(principal_id))
         if principal is not None:
             self.cache.put(digest, principal)
@@ -155,7 +175,7 @@ class Directory:
             return False
         if self._rooms.get(room):
             return True
-        exists = bool(await self.redis.exists(self.keys.room(room)))
+        exists = bool(await self._read("EXISTS", self.keys.room(room)))
         if exists:
             self._rooms.put(room, True)
         return exists
@@ -166,7 +186,7 @@ class Directory:
         return sorted(str(m) for m in await self.redis.smembers(self.keys.room_members(room)))
 
     async def is_member(self, room: str, user: str) -> bool:
-        return bool(await self.redis.sismember(self.keys.room_members(room), user))
+        return bool(await self._read("SISMEMBER", self.keys.room_members(room), user))
 
     async def rooms_of(self, user: str) -> list[str]:
         return sorted(str(r) for r in await self.redis.smembers(self.keys.user_rooms(user)))

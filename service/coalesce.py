@@ -1,4 +1,5 @@
-"""Coalesced script calls: every EVALSHA issued in one event-loop turn goes to Redis as one pipeline.
+"""Coalesced calls: every EVALSHA (and every directory read) issued in one event-loop turn goes to
+Redis as one pipeline.
 
 A request handler awaits its own future; the flush sends the whole batch without MULTI, so one
 call's error never touches another's reply. A NOSCRIPT reply (Redis restarted or failed over)
@@ -53,10 +54,9 @@ class Durability:
 
 @dataclass(slots=True)
 class _Call:
-    sha: str
-    source: str
-    keys: Sequence[str]
-    args: Sequence[str | int]
+    command: tuple[Any, ...]
+    source: str | None  # a script's, to reload it on NOSCRIPT; None for a plain read
+    key: str  # the first key: which Cluster node a confirmed call's WAIT goes to
     confirm: bool
     future: asyncio.Future[Any] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
@@ -85,7 +85,19 @@ class Coalescer:
     ) -> asyncio.Future[Any]:
         """Queue one script call; the returned future gets its reply or its own exception.
         `confirm`: follow it with the Durability's WAIT (when there is one)."""
-        call = _Call(sha, source, keys, args, confirm)
+        return self._queue_call(
+            _Call(("EVALSHA", sha, len(keys), *keys, *args), source, keys[0] if keys else "", confirm)
+        )
+
+    def read(self, command: str, key: str, *args: str) -> asyncio.Future[Any]:
+        """Queue one read-only command on one key (SISMEMBER, HGET, ...) into the same batches:
+        reads that took a pooled connection each queued behind one another for the pool under a
+        burst (docs/operations.md, "Known limits"); here they share the scripts' one connection.
+        The reply is not put through redis-py's response callbacks on one node (SISMEMBER gives
+        0 or 1, not a bool), so callers convert it."""
+        return self._queue_call(_Call((command, key, *args), None, key, False))
+
+    def _queue_call(self, call: _Call) -> asyncio.Future[Any]:
         self._queue.append(call)
         self._schedule()
         return call.future
@@ -118,7 +130,8 @@ class Coalescer:
             missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
             if missing:
                 for source in {batch[i].source for i in missing}:
-                    await self.redis.script_load(source)
+                    if source is not None:  # a plain read never gets NOSCRIPT
+                        await self.redis.script_load(source)
                 resent = await self._pipeline([batch[i] for i in missing])
                 for i, reply in zip(missing, resent, strict=True):
                     replies[i] = reply
@@ -137,7 +150,7 @@ class Coalescer:
             for call in calls:
                 # execute_command: redis-py's ClusterPipeline blocks its evalsha() helper, though
                 # it routes EVALSHA by its keys (one slot per call here) like any other command.
-                pipe.execute_command("EVALSHA", call.sha, len(call.keys), *call.keys, *call.args)
+                pipe.execute_command(*call.command)
             waits = self._queue_waits(pipe, calls)
             replies = list(await pipe.execute(raise_on_error=False))
         if waits:
@@ -147,7 +160,7 @@ class Coalescer:
     async def _exchange(self, calls: Sequence[_Call]) -> list[Any]:
         """One node: the batch on the pipe; through `exchange` when it ends with a WAIT (or the
         client's connections cannot be piped, as fakeredis' cannot)."""
-        commands: list[tuple[Any, ...]] = [("EVALSHA", c.sha, len(c.keys), *c.keys, *c.args) for c in calls]
+        commands: list[tuple[Any, ...]] = [c.command for c in calls]
         wait = self._wait_args(calls)
         if wait is None and self.pipe is not None:
             return await self.pipe.exchange([pack_command(command) for command in commands])
@@ -172,7 +185,7 @@ class Coalescer:
         if wait is None:
             return []
         cluster = as_cluster(self.redis)
-        owners = (cluster.get_node_from_key(call.keys[0]) for call in calls if call.confirm)
+        owners = (cluster.get_node_from_key(call.key) for call in calls if call.confirm)
         nodes = {node.name: node for node in owners if node is not None}  # None: slot uncovered
         for node in nodes.values():
             pipe.execute_command(*wait, target_nodes=node)

@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import traceback
+from collections.abc import Iterator
 
 import pytest
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
+from service.auth import Directory
 from service.coalesce import MAX_IN_FLIGHT
+from service.http.appkeys import REDIS
 from service.keys import Keys, new_question_id
+from service.model import Kind, Principal
 from service.questions import question_of
 from service.scripts import CHUNK, Code, ScriptMisuse, Scripts
 from service.settings import Settings
 from service.store import QuestionStore
+from tests.api import Api
 from tests.conftest import test_settings
 from tests.helpers_reliability import new_question
 from tests.redis_server import RedisServer
@@ -138,3 +146,97 @@ async def test_at_most_a_few_batches_are_in_flight_and_later_calls_gather(store:
     assert await asyncio.gather(*futures) == [None] * 1000
     assert coalescer.peak_in_flight <= MAX_IN_FLIGHT
     assert coalescer.batches < 50
+
+
+async def test_reads_share_a_batch_with_script_calls_and_keep_their_own_replies_and_errors(
+    store: QuestionStore, redis: Redis, settings: Settings
+) -> None:
+    members, profile = f"{settings.key_prefix}:members", f"{settings.key_prefix}:profile"
+    await redis.sadd(members, "alice")
+    await redis.hset(profile, "kind", "user")
+    coalescer = store.scripts.coalescer
+    before = coalescer.batches
+    script_call = reads(store, 1)[0]  # a task: it submits its call before the flush runs
+    results = await asyncio.gather(
+        coalescer.read("SISMEMBER", members, "alice"),
+        coalescer.read("SISMEMBER", profile, "alice"),  # WRONGTYPE: a hash is not a set
+        script_call,
+        coalescer.read("HGET", profile, "kind"),
+        coalescer.read("SISMEMBER", members, "bob"),
+        return_exceptions=True,
+    )
+    assert coalescer.batches - before == 1
+    assert isinstance(results[1], ResponseError)
+    assert "WRONGTYPE" in str(results[1])
+    assert [results[0], results[2], results[3], results[4]] == [1, None, "user", 0]
+
+
+async def test_reads_in_a_batch_healed_of_noscript_keep_their_replies(
+    store: QuestionStore, redis: Redis, settings: Settings
+) -> None:
+    members = f"{settings.key_prefix}:members"
+    await redis.sadd(members, "alice")
+    await redis.script_flush()
+    coalescer = store.scripts.coalescer
+    before = coalescer.batches
+    script_calls = reads(store, 5)  # tasks: they submit their calls before the flush runs
+    plain_reads = [coalescer.read("SISMEMBER", members, "alice") for _ in range(5)]
+    assert await asyncio.gather(*script_calls, *plain_reads) == [None] * 5 + [1] * 5
+    assert coalescer.batches - before == 1
+
+
+@contextlib.contextmanager
+def pool_checkouts(redis: Redis, *, by: str = "") -> Iterator[list[int]]:
+    """Counts the connections taken from `redis`' pool meanwhile (in the one-item list), or only
+    those taken with a frame of the file `by` on the stack (background tasks take others)."""
+    pool = redis.connection_pool
+    taken = [0]
+    get_connection = pool.get_connection
+
+    async def counted() -> object:
+        if not by or any(frame.filename.endswith(by) for frame in traceback.extract_stack()):
+            taken[0] += 1
+        return await get_connection()
+
+    pool.get_connection = counted  # type: ignore[method-assign]
+    try:
+        yield taken
+    finally:
+        del pool.get_connection
+
+
+async def test_the_directorys_request_path_reads_take_no_pooled_connection(
+    store: QuestionStore, redis: Redis, settings: Settings
+) -> None:
+    """Under a burst, reads that each took a pooled connection queued for the pool (the race
+    storm of tests/test_races.py held all 64 with membership and token reads)."""
+    directory = Directory(redis, Keys(settings.key_prefix), reads=store.scripts.coalescer)
+    await directory.create_principal(Principal("alice", Kind.USER))
+    await directory.set_members("room-1", ["alice"])
+    token = (await directory.issue_token("alice")).token
+    await store.read(new_question_id())  # the pipe's own connection is taken now
+    with pool_checkouts(redis) as taken:
+        results = await asyncio.gather(
+            *(directory.is_member("room-1", "alice") for _ in range(100)),
+            directory.is_member("room-1", "bob"),
+            directory.room_exists("room-1"),
+            directory.authenticate(token),
+        )
+    assert results == [True] * 100 + [False, True, Principal("alice", Kind.USER)]
+    assert taken == [0]
+
+
+async def test_a_room_members_first_fetch_and_answer_take_no_pooled_connection(api: Api) -> None:
+    """The app wires its directory to the coalescer: the member's token, the membership checks
+    and the scripts all go through the one pipelined connection (the outbox consumers that the
+    answer wakes take pooled connections of their own, in the background)."""
+    agent = await api.principal("agent-1", "agent")
+    alice = await api.principal("alice", "user")
+    await api.room("room-1", ["alice"])
+    question = await api.ask(agent, {"room": "room-1"})
+    with pool_checkouts(api.client.app[REDIS], by="service/http/routes.py") as taken:
+        fetched = await api.get(alice, question["id"])  # alice's token is not cached yet
+        answered = await api.answer(alice, question["id"], "yes")
+    assert (fetched.status, answered.status) == (200, 200)
+    assert answered.body["question"]["answer"]["responder"] == "alice"
+    assert taken == [0]

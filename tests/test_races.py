@@ -114,8 +114,10 @@ async def test_race_storm_every_question_has_exactly_one_terminal_story(
     # The storm fires ~4,400 requests within a second at two apps and their client, all in this
     # one event loop. On a 2-core machine the calls queued for a pool connection (64 per app)
     # waited longer than the default 5 s and got 503 (in 3 of 4 runs on 2026-12-04: every held
-    # connection under a second old, loop lag <= 0.8 s, so a queue, not a leak). Overload 503s are
-    # the chaos suite's subject; this test is about the one terminal story, so the pool may wait.
+    # connection under a second old, loop lag <= 0.8 s, so a queue, not a leak). Those were room
+    # membership and token reads, which now share the coalescer's one connection instead; the
+    # longer timeout stays because a slow machine's CPU still queues the storm. Overload 503s are
+    # the chaos suite's subject; this test is about the one terminal story, so Redis calls may wait.
     settings = settings_for(
         redis_server.url, auth_cache_seconds=5, wait_max_seconds=15, redis_timeout_seconds=30.0
     )

@@ -85,7 +85,9 @@ async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
     app[REDIS] = redis
     app[SCRIPTS] = scripts
     app[STORE] = store
-    app[DIRECTORY] = Directory(redis, keys, settings.admin_token, settings.auth_cache_seconds)
+    app[DIRECTORY] = Directory(
+        redis, keys, settings.admin_token, settings.auth_cache_seconds, reads=scripts.coalescer
+    )
     app[SWEEPER] = Sweeper(store, settings.sweep_interval_seconds)
     app[LISTENER] = KeyspaceListener(redis, store, keys)
     app[RELAY] = EventRelay(
