@@ -1,6 +1,6 @@
 """A/B of two versions of the service: CPU per request, which wrk's requests/s hides in noise.
 
-    python -m bench.ab --old <git revision> [--script fetch|room-fetch|create] [--rounds 5] [--seconds 5]
+    python -m bench.ab --old <git revision> [--script fetch|room-fetch|list|create] [--rounds 5] [--seconds 5]
 
 Starts one Redis and two `serve` processes on it: this checkout and `--old` (a temporary git
 worktree, the old process's working directory, which `python -m` imports from first). Each has its
@@ -110,7 +110,7 @@ def run(old: str, script: str, rounds: int, seconds: float) -> list[Side]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--old", required=True, help="the git revision to compare this checkout with")
-    parser.add_argument("--script", default="fetch", choices=["fetch", "room-fetch", "create"])
+    parser.add_argument("--script", default="fetch", choices=["fetch", "room-fetch", "list", "create"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=5.0)
     args = parser.parse_args()

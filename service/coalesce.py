@@ -89,7 +89,7 @@ class Coalescer:
             _Call(("EVALSHA", sha, len(keys), *keys, *args), source, keys[0] if keys else "", confirm)
         )
 
-    def read(self, command: str, key: str, *args: str) -> asyncio.Future[Any]:
+    def read(self, command: str, key: str, *args: str | int) -> asyncio.Future[Any]:
         """Queue one read-only command on one key (SISMEMBER, HGET, ...) into the same batches:
         reads that took a pooled connection each queued behind one another for the pool under a
         burst (docs/operations.md, "Known limits"); here they share the scripts' one connection.

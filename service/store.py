@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import itertools
@@ -274,10 +275,9 @@ class QuestionStore:
     async def _newest(self, keys: Sequence[str], upper: str, want: int) -> tuple[list[str], list[str]]:
         """The `want` newest members below `upper` over all keys, and the keys that may hold
         more below the last of them."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for key in keys:
-                pipe.zrange(key, upper, "-", desc=True, bylex=True, offset=0, num=want)
-            results = await pipe.execute()
+        coalescer = self.scripts.coalescer  # one batch with the page's reads, not a pooled pipeline
+        newest = (coalescer.read("ZRANGE", key, upper, "-", "BYLEX", "REV", "LIMIT", 0, want) for key in keys)
+        results: list[list[str]] = await asyncio.gather(*newest)
         merged = sorted({m for found in results for m in found}, reverse=True)[:want]
         if not merged:
             return [], []
