@@ -49,7 +49,7 @@ class IssuedToken:
 
 
 class Directory:
-    """`reads`: the coalescer that request-path reads (token, principal, room, membership) go
+    """`reads`: the coalescer that request-path reads (token, principal, room, memberships) go
     through, one batch per event-loop turn on one connection, instead of a pooled connection each.
     Writes and the admin's reads use the pool."""
 
@@ -189,7 +189,7 @@ class Directory:
         return bool(await self._read("SISMEMBER", self.keys.room_members(room), user))
 
     async def rooms_of(self, user: str) -> list[str]:
-        return sorted(str(r) for r in await self.redis.smembers(self.keys.user_rooms(user)))
+        return sorted(str(r) for r in await self._read("SMEMBERS", self.keys.user_rooms(user)))
 
     async def set_members(self, room: str, members: Sequence[str]) -> list[str]:
         """Create the room if needed and make `members` its exact membership."""

@@ -1,4 +1,4 @@
-"""Coalesced calls: every EVALSHA (and every directory read) issued in one event-loop turn goes to
+"""Coalesced calls: every EVALSHA (and every read on the request path) issued in one event-loop turn goes to
 Redis as one pipeline.
 
 A request handler awaits its own future; the flush sends the whole batch without MULTI, so one

@@ -221,22 +221,26 @@ async def test_the_directorys_request_path_reads_take_no_pooled_connection(
             directory.is_member("room-1", "bob"),
             directory.room_exists("room-1"),
             directory.authenticate(token),
+            directory.rooms_of("alice"),
         )
-    assert results == [True] * 100 + [False, True, Principal("alice", Kind.USER)]
+    assert results == [True] * 100 + [False, True, Principal("alice", Kind.USER), ["room-1"]]
     assert taken == [0]
 
 
-async def test_a_room_members_first_fetch_and_answer_take_no_pooled_connection(api: Api) -> None:
-    """The app wires its directory to the coalescer: the member's token, the membership checks
-    and the scripts all go through the one pipelined connection (the outbox consumers that the
-    answer wakes take pooled connections of their own, in the background)."""
+async def test_a_room_members_first_fetch_list_and_answer_take_no_pooled_connection(api: Api) -> None:
+    """The app wires its directory to the coalescer: the member's token, the membership checks,
+    the list's rooms and index reads, and the scripts all go through the one pipelined connection
+    (the outbox consumers that the answer wakes take pooled connections of their own, in the
+    background)."""
     agent = await api.principal("agent-1", "agent")
     alice = await api.principal("alice", "user")
     await api.room("room-1", ["alice"])
     question = await api.ask(agent, {"room": "room-1"})
     with pool_checkouts(api.client.app[REDIS], by="service/http/routes.py") as taken:
         fetched = await api.get(alice, question["id"])  # alice's token is not cached yet
+        listed = await api.list(alice, role="responder")
         answered = await api.answer(alice, question["id"], "yes")
-    assert (fetched.status, answered.status) == (200, 200)
+    assert (fetched.status, listed.status, answered.status) == (200, 200, 200)
+    assert [q["id"] for q in listed.body["items"]] == [question["id"]]
     assert answered.body["question"]["answer"]["responder"] == "alice"
     assert taken == [0]
