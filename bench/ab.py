@@ -1,6 +1,6 @@
 """A/B of two versions of the service: CPU per request, which wrk's requests/s hides in noise.
 
-    python -m bench.ab --old <git revision> [--script fetch|room-fetch|list|create] [--rounds 5] [--seconds 5]
+    python -m bench.ab --old <git revision> [--script SCENARIO] [--rounds 5] [--seconds 5]
 
 Starts one Redis and two `serve` processes on it: this checkout and `--old` (a temporary git
 worktree, the old process's working directory, which `python -m` imports from first). Each has its
@@ -8,7 +8,15 @@ own key prefix, so neither's outbox consumers work for the other. wrk -c64 then 
 them (2 s of warm-up, then the measured run, the order flipped every round), and each run's
 process CPU from /proc is divided by its requests. Prints each round and the medians. Between
 two identical processes the medians differ by 1-3 % here (docs/benchmarks.md, "Findings of
-2026-12-04, fourth session").
+2026-12-04, fourth session"). Every run must get only 2xx replies, or it stops.
+
+SCENARIO (the wrk script in bench/wrk/):
+    fetch        GET /v1/questions/{id} by the asking agent, over 32 pending questions
+    room-fetch   the same questions asked in a room, fetched by a member (a membership read each)
+    room-tap     that member answering them over and over: the first tap on each applies, the
+                 rest are stale taps that get the resolved state (answer.lua)
+    list         the agent's newest page of 20 (list.lua)
+    create       POST /v1/questions by the agent
 """
 
 from __future__ import annotations
@@ -29,7 +37,8 @@ from bench.procs import ADMIN_TOKEN, ROOT, RedisProc, ServiceProc, cpu_seconds
 from bench.seed import OPTIONS, PROMPT, principal
 
 SEEDED_QUESTIONS = 32  # fetch cycles through these
-WRK_SCRIPTS = {"room-fetch": "fetch"}  # a scenario's wrk script, when it is not its own name
+WRK_SCRIPTS = {"room-fetch": "fetch", "room-tap": "answer"}  # when not the scenario's own name
+ROOM_SCENARIOS = ("room-fetch", "room-tap")
 
 
 @dataclass
@@ -90,11 +99,16 @@ def run(old: str, script: str, rounds: int, seconds: float) -> list[Side]:
             service.cwd = cwd
             sides.append(Side(name, service.start()))
         for side in sides:
-            agent, alice, ids = asyncio.run(seed(side.service.url, room=script == "room-fetch"))
+            agent, alice, ids = asyncio.run(seed(side.service.url, room=script in ROOM_SCENARIOS))
             ids_file = work / f"{side.service.name}-ids.txt"
             ids_file.write_text("\n".join(ids) + "\n")
             reader = alice if script == "room-fetch" else agent  # fetch.lua sends this token
-            side.env = {"BENCH_AGENT_TOKEN": reader, "BENCH_USER": "alice", "BENCH_IDS_FILE": str(ids_file)}
+            side.env = {
+                "BENCH_AGENT_TOKEN": reader,
+                "BENCH_USER_TOKEN": alice,
+                "BENCH_USER": "alice",
+                "BENCH_IDS_FILE": str(ids_file),
+            }
         for r in range(rounds):
             print(f"round {r + 1} of {rounds}", flush=True)
             for side in sides if r % 2 == 0 else sides[::-1]:
@@ -110,7 +124,9 @@ def run(old: str, script: str, rounds: int, seconds: float) -> list[Side]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--old", required=True, help="the git revision to compare this checkout with")
-    parser.add_argument("--script", default="fetch", choices=["fetch", "room-fetch", "list", "create"])
+    parser.add_argument(
+        "--script", default="fetch", choices=["fetch", "room-fetch", "room-tap", "list", "create"]
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=5.0)
     args = parser.parse_args()
