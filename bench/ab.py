@@ -37,8 +37,22 @@ from bench.procs import ADMIN_TOKEN, ROOT, RedisProc, ServiceProc, cpu_seconds
 from bench.seed import OPTIONS, PROMPT, principal
 
 SEEDED_QUESTIONS = 32  # fetch cycles through these
-WRK_SCRIPTS = {"room-fetch": "fetch", "room-tap": "answer"}  # when not the scenario's own name
-ROOM_SCENARIOS = ("room-fetch", "room-tap")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    wrk_script: str  # in bench/wrk/
+    in_room: bool = False  # the seeded questions are asked in alice's room, not of alice
+    member_reads: bool = False  # alice, not the agent, sends fetch.lua's requests
+
+
+SCENARIOS = {
+    "fetch": Scenario("fetch"),
+    "room-fetch": Scenario("fetch", in_room=True, member_reads=True),
+    "room-tap": Scenario("answer", in_room=True),
+    "list": Scenario("list"),
+    "create": Scenario("create"),
+}
 
 
 @dataclass
@@ -87,7 +101,7 @@ def measure(side: Side, script: str, seconds: float) -> None:
     print(f"  {side.name}: {result.rps:,.0f} req/s, {side.rounds[-1][1]:.1f} µs CPU/request", flush=True)
 
 
-def run(old: str, script: str, rounds: int, seconds: float) -> list[Side]:
+def run(old: str, scenario: Scenario, rounds: int, seconds: float) -> list[Side]:
     work = Path(tempfile.mkdtemp(prefix="bench-ab-"))
     tree = work / "old"
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(tree), old], check=True)
@@ -99,12 +113,11 @@ def run(old: str, script: str, rounds: int, seconds: float) -> list[Side]:
             service.cwd = cwd
             sides.append(Side(name, service.start()))
         for side in sides:
-            agent, alice, ids = asyncio.run(seed(side.service.url, room=script in ROOM_SCENARIOS))
+            agent, alice, ids = asyncio.run(seed(side.service.url, room=scenario.in_room))
             ids_file = work / f"{side.service.name}-ids.txt"
             ids_file.write_text("\n".join(ids) + "\n")
-            reader = alice if script == "room-fetch" else agent  # fetch.lua sends this token
             side.env = {
-                "BENCH_AGENT_TOKEN": reader,
+                "BENCH_AGENT_TOKEN": alice if scenario.member_reads else agent,
                 "BENCH_USER_TOKEN": alice,
                 "BENCH_USER": "alice",
                 "BENCH_IDS_FILE": str(ids_file),
@@ -112,7 +125,7 @@ def run(old: str, script: str, rounds: int, seconds: float) -> list[Side]:
         for r in range(rounds):
             print(f"round {r + 1} of {rounds}", flush=True)
             for side in sides if r % 2 == 0 else sides[::-1]:
-                measure(side, WRK_SCRIPTS.get(script, script), seconds)
+                measure(side, scenario.wrk_script, seconds)
     finally:
         for side in sides:
             side.service.stop()
@@ -124,13 +137,11 @@ def run(old: str, script: str, rounds: int, seconds: float) -> list[Side]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--old", required=True, help="the git revision to compare this checkout with")
-    parser.add_argument(
-        "--script", default="fetch", choices=["fetch", "room-fetch", "room-tap", "list", "create"]
-    )
+    parser.add_argument("--script", default="fetch", choices=list(SCENARIOS))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=5.0)
     args = parser.parse_args()
-    sides = run(args.old, args.script, args.rounds, args.seconds)
+    sides = run(args.old, SCENARIOS[args.script], args.rounds, args.seconds)
     print(f"\n{args.script}, medians of {args.rounds} rounds:")
     for side in sides:
         rps = statistics.median(r for r, _ in side.rounds)
