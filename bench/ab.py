@@ -16,6 +16,7 @@ SCENARIO (the wrk script in bench/wrk/):
     room-tap     that member answering them over and over: the first tap on each applies, the
                  rest are stale taps that get the resolved state (answer.lua)
     list         the agent's newest page of 20 (list.lua)
+    room-batch   the member's batch wait (timeout 0) over all of those room questions at once
     create       POST /v1/questions by the agent
 """
 
@@ -51,6 +52,7 @@ SCENARIOS = {
     "room-fetch": Scenario("fetch", in_room=True, member_reads=True),
     "room-tap": Scenario("answer", in_room=True),
     "list": Scenario("list"),
+    "room-batch": Scenario("batch_wait", in_room=True, member_reads=True),
     "create": Scenario("create"),
 }
 

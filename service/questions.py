@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -114,14 +115,10 @@ class QuestionService:
         return self._learn_for(principal, question)
 
     async def visible(self, principal: Principal, question: Question) -> bool:
-        if principal.kind is Kind.ADMIN or principal.id == question.asker:
-            return True
-        target = question.target
-        if principal.kind is not Kind.USER:
-            return False
-        if target.kind == "user":
-            return target.id == principal.id
-        return await self.directory.is_member(target.id, principal.id)
+        access = access_of(principal, question)
+        if isinstance(access, str):
+            return await self.directory.is_member(access, principal.id)
+        return access
 
     async def wait(self, principal: Principal, question_id: str, timeout: float) -> Question:
         question = await self.get(principal, question_id)
@@ -150,12 +147,22 @@ class QuestionService:
         valid = [q for q in question_ids if QUESTION_ID.match(q)]
         found = {q.id: q for q in await self.store.read_many(valid) if q is not None}
         missing = [q_id for q_id in question_ids if q_id not in found]
-        for question in found.values():
-            if not await self.visible(principal, question):
-                missing.append(question.id)
+        access = {q_id: access_of(principal, question) for q_id, question in found.items()}
+        member = await self._memberships(principal, {a for a in access.values() if isinstance(a, str)})
+        granted = {q_id: member[a] if isinstance(a, str) else a for q_id, a in access.items()}
+        missing += [q_id for q_id, seen in granted.items() if not seen]
         if missing:
             raise NotFound(f"no questions {sorted(missing)}")
         return [self._learn_for(principal, found[q_id]) for q_id in question_ids]
+
+    async def _memberships(self, user: Principal, rooms: set[str]) -> dict[str, bool]:
+        """Whether `user` is in each room: one read per room, all in flight at once, so that a
+        batch of a room's questions costs one coalesced round trip, not one per question."""
+        if not rooms:
+            return {}  # agents and direct questions: no task, no round trip
+        ordered = sorted(rooms)
+        found = await asyncio.gather(*(self.directory.is_member(r, user.id) for r in ordered))
+        return dict(zip(ordered, found, strict=True))
 
     async def list_page(
         self,
@@ -243,6 +250,19 @@ class QuestionService:
                 raise Forbidden("only the question's asker or an admin may cancel it")
             raise NotFound(f"no question {question_id!r}")
         return outcome_of(question_id, reply)
+
+
+def access_of(principal: Principal, question: Question) -> bool | str:
+    """Whether `principal` may see `question` when that follows from the question alone, or else
+    the room whose membership decides it (a user and a room question not of their asking)."""
+    if principal.kind is Kind.ADMIN or principal.id == question.asker:
+        return True
+    if principal.kind is not Kind.USER:
+        return False
+    target = question.target
+    if target.kind == "user":
+        return target.id == principal.id
+    return target.id
 
 
 def settled(questions: Sequence[Question], every: bool) -> bool:

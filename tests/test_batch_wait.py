@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
+from service.http.appkeys import DIRECTORY
 from tests.api import Api
 
 
@@ -79,3 +82,54 @@ async def test_more_than_100_ids_or_a_bad_mode_is_refused(api: Api) -> None:
     assert bad_mode.status == 422
     empty = await batch_wait(api, agent, [], 1, "any")
     assert empty.status == 422
+
+
+async def test_a_room_member_batch_waits_room_questions_and_a_non_member_is_refused_them(api: Api) -> None:
+    agent = await api.principal("fleet", "agent")
+    alice = await api.principal("alice", "user")
+    bob = await api.principal("bob", "user")
+    await api.room("ops", ["alice"])
+    await api.room("dev", ["alice", "bob"])
+    ops = (await api.ask(agent, {"room": "ops"}))["id"]
+    dev = (await api.ask(agent, {"room": "dev"}))["id"]
+    waiting = asyncio.create_task(batch_wait(api, alice, [ops, dev], 10, "any"))
+    await asyncio.sleep(0.2)
+    await api.answer(bob, dev, "no")
+    reply = await asyncio.wait_for(waiting, 5)
+    assert reply.status == 200
+    assert [item["state"] for item in reply.body["items"]] == ["pending", "answered"]
+    refused = await batch_wait(api, bob, [dev, ops], 1, "any")
+    assert refused.status == 404
+    assert ops in refused.body["detail"]
+    assert dev not in refused.body["detail"]
+
+
+async def test_a_batch_of_room_questions_reads_each_room_membership_once_and_all_at_once(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    agent = await api.principal("fleet", "agent")
+    alice = await api.principal("alice", "user")
+    rooms = ["r1", "r2", "r3"]
+    for room in rooms:
+        await api.room(room, ["alice"])
+    ids = [(await api.ask(agent, {"room": room}))["id"] for room in rooms for _ in range(3)]
+    directory = api.client.server.app[DIRECTORY]
+    is_member = directory.is_member
+    reads: list[str] = []
+    in_flight = most_in_flight = 0
+
+    async def counting_is_member(room: str, user: str) -> bool:
+        nonlocal in_flight, most_in_flight
+        reads.append(room)
+        in_flight += 1
+        most_in_flight = max(most_in_flight, in_flight)
+        try:
+            return await is_member(room, user)
+        finally:
+            in_flight -= 1
+
+    monkeypatch.setattr(directory, "is_member", counting_is_member)
+    reply = await batch_wait(api, alice, ids, 0, "any")
+    assert reply.status == 200
+    assert sorted(reads) == rooms  # once per room, not once per question
+    assert most_in_flight == len(rooms)  # in flight together: one coalesced round trip
