@@ -26,7 +26,9 @@
     {'applied', fields?}     this call expired the question (also on a re-run of this call)
     {'stale', fields?}       already terminal
     {'pending', fields?}     still pending: its deadline has not passed
-    {'not_found'}            no such question (never created, or removed after retention)
+    {'not_found'}            no such question (never created, or removed after retention); its
+                             entry in KEYS[3], if any, is removed, so that a hash deleted outside
+                             purge.lua (an operator's DEL, eviction) cannot keep a sweep looping
 
   Events (only when a transition happens):
     PUBLISH (or SPUBLISH) KEYS[5] <cjson fields>
@@ -41,6 +43,7 @@ local publish = publish_command(ARGV[6])
 local now = now_ms()
 local q = redis.call('HMGET', KEYS[1], 'state', 'expires_ms', 'tcall')
 if not q[1] then
+  redis.call('ZREM', KEYS[3], ARGV[1])
   return {'not_found'}
 end
 local reply

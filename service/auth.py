@@ -154,7 +154,9 @@ class Directory:
         return True
 
     async def authenticate(self, token: str) -> Principal | None:
-        if self.admin_token and hmac.compare_digest(token.encode(), self.admin_token.encode()):
+        # surrogateescape: aiohttp hands undecodable header bytes over as lone surrogates.
+        presented = token.encode(errors="surrogateescape")
+        if self.admin_token and hmac.compare_digest(presented, self.admin_token.encode()):
             return BOOTSTRAP_ADMIN
         if not _TOKEN.match(token):
             return None

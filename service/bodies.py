@@ -53,7 +53,8 @@ class Ask(Strict):
 
 
 class Answer(Strict):
-    option: str
+    # The pattern of an option id: answer.lua finds the option in '|a|b|', so 'a|b' must not pass.
+    option: Annotated[str, Meta(pattern=OPTION_ID.pattern)]
 
 
 class Cancel(Strict):

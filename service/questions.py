@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
+import msgpack
 import msgspec
 
 from service.auth import Directory
@@ -303,6 +304,10 @@ def metadata_json(body: Ask) -> str:
         raise Invalid("metadata must be JSON-compatible (no binary, no non-finite numbers)") from exc
     if len(encoded.encode()) > MAX_METADATA_BYTES:
         raise Invalid(f"metadata encodes to more than {MAX_METADATA_BYTES} bytes")
+    try:  # every envelope must encode as msgpack too, or its msgpack replies would fail later
+        msgpack.packb(body.metadata)
+    except OverflowError as exc:
+        raise Invalid("metadata integers must fit in 64 bits (from -2**63 to 2**64 - 1)") from exc
     return encoded
 
 

@@ -534,3 +534,92 @@ async def test_a_missing_or_unknown_token_is_401_with_a_bearer_challenge(
         )
     assert_problem(reply, 401)
     assert reply.headers.get("WWW-Authenticate", "").lower().startswith("bearer")
+
+
+# -- found in the eighth session's review: each was a 500 or wrote something ----------------------
+
+
+async def test_an_option_spanning_two_option_ids_is_refused_and_the_question_stays_pending(
+    cast: Cast,
+) -> None:
+    question = await cast.api.ask(cast.agent, ALICE)  # options yes and no: stored as '|yes|no|'
+    path = f"/v1/questions/{question['id']}/answer"
+    await refused(cast.api, 422, "POST", path, cast.alice, body={"option": "yes|no"})
+    assert (await cast.api.get(cast.agent, question["id"])).body["state"] == "pending"
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("POST", "/v1/questions"), ("PUT", "/v1/me/channels/c1")],
+)
+async def test_utf8_encoded_lone_surrogates_are_400_and_nothing_is_written(
+    cast: Cast, method: str, path: str
+) -> None:
+    # ED A0 80 is U+D800 written as UTF-8: not valid UTF-8, and no \u escape to give it away.
+    raw = b'{"prompt": "x\xed\xa0\x80y", "kind": "ntfy", "url": "https://ntfy.sh/\xed\xa0\x80"}'
+    token = cast.agent if path == "/v1/questions" else cast.alice
+    await refused(cast.api, 400, method, path, token, raw=raw, content_type="application/json")
+
+
+async def test_a_bearer_token_of_undecodable_bytes_is_401(cast: Cast) -> None:
+    # Written on a raw socket: an HTTP client would encode the header text as UTF-8 itself.
+    server = cast.api.client.server
+    reader, writer = await asyncio.open_connection(server.host, server.port)
+    try:
+        writer.write(
+            b"GET /v1/questions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            b"Authorization: Bearer qs_000000000000_" + b"\xe9" * 43 + b"\r\n\r\n"
+        )
+        status_line = await asyncio.wait_for(reader.readline(), 10)
+        rest = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    assert status_line.split()[1] == b"401", status_line + rest
+    assert b"application/problem+json" in rest
+
+
+async def test_a_body_that_does_not_match_its_content_encoding_is_400(cast: Cast) -> None:
+    question = await cast.api.ask(cast.agent, ALICE)
+    await refused(
+        cast.api,
+        400,
+        "POST",
+        f"/v1/questions/{question['id']}/answer",
+        cast.alice,
+        raw=b'{"option": "yes"}',
+        content_type="application/json",
+        headers={"Content-Encoding": "gzip"},
+    )
+
+
+@pytest.mark.parametrize(
+    "last", ["18446744073709551616-0", "0-18446744073709551616", "99999999999999999999-0"]
+)
+async def test_a_last_event_id_beyond_64_bits_is_422(cast: Cast, last: str) -> None:
+    await refused(cast.api, 422, "GET", "/v1/events", cast.alice, headers={"Last-Event-ID": last})
+
+
+@pytest.mark.parametrize("number", [2**64, -(2**63) - 1])
+async def test_metadata_integers_beyond_64_bits_are_422(cast: Cast, number: int) -> None:
+    # msgpack cannot carry them: every msgpack reply with this envelope would have been a 500.
+    raw = json.dumps(question_body(ALICE, metadata={"n": number})).encode()
+    await refused(
+        cast.api, 422, "POST", "/v1/questions", cast.agent, raw=raw, content_type="application/json"
+    )
+
+
+async def test_metadata_integers_at_the_64_bit_limits_are_kept_in_msgpack_replies(cast: Cast) -> None:
+    metadata = {"high": 2**64 - 1, "low": -(2**63)}
+    created = await send(
+        cast.api.client, "POST", "/v1/questions", cast.agent, body=question_body(ALICE, metadata=metadata)
+    )
+    assert created.status == 201, created.data
+    fetched = await send(
+        cast.api.client,
+        "GET",
+        f"/v1/questions/{created.body['id']}",
+        cast.agent,
+        accept="application/msgpack",
+    )
+    assert fetched.status == 200
+    assert fetched.body["metadata"] == metadata

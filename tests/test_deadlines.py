@@ -349,3 +349,20 @@ async def test_concurrent_sweepers_expire_2000_overdue_questions_exactly_once(
     finally:
         for client, _, _ in stores:
             await client.aclose()
+
+
+async def test_a_sweep_ends_and_drops_deadline_entries_whose_question_hash_is_gone(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    # A hash deleted outside purge.lua (an operator's DEL, eviction) left its deadline entry
+    # behind; a full batch of those made sweep_once read the same batch forever.
+    settings = settings_for(redis_server.url, sweep_batch=5)
+    client, _, store = open_store(settings)
+    try:
+        deadlines = Keys(settings.key_prefix).deadlines(0)
+        await redis.zadd(deadlines, {f"0{i:024x}": 1 for i in range(5)})
+        result = await asyncio.wait_for(Sweeper(store, interval=0.2).sweep_once(), 10)
+        assert result.expired == 0
+        assert await redis.zcard(deadlines) == 0
+    finally:
+        await client.aclose()

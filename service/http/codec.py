@@ -9,6 +9,7 @@ from typing import Any
 
 import msgpack
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from service.errors import BodyTimeout, Malformed, TooLarge, UnsupportedMediaType
 from service.http.appkeys import SETTINGS
@@ -49,7 +50,8 @@ def decode(raw: bytes, content_type: str) -> Any:
             raise Malformed(f"the body is not valid msgpack: {exc}") from exc
     if content_type == JSON or content_type.endswith("+json"):
         try:
-            value = json.loads(raw, parse_constant=_reject_constant)
+            # Decoded strictly first: json.loads(bytes) lets UTF-8-encoded surrogates through.
+            value = json.loads(raw.decode(), parse_constant=_reject_constant)
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise Malformed(f"the body is not valid JSON: {exc}") from exc
         if _SURROGATE_ESCAPE.search(raw):
@@ -73,6 +75,8 @@ async def read_body(request: web.Request, *, optional: bool = False) -> Any:
         raise BodyTimeout(f"the body did not arrive within {settings.body_timeout_seconds:g} s") from exc
     except web.HTTPRequestEntityTooLarge as exc:
         raise TooLarge(f"the body exceeds {settings.max_body_bytes} bytes") from exc
+    except RequestPayloadError as exc:  # a Content-Encoding the body does not match
+        raise Malformed(f"the body cannot be read: {exc}") from exc
     if not raw and optional:
         return {}
     return decode(raw, request.content_type)

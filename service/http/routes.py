@@ -209,13 +209,19 @@ def bounded_int(value: str | None, name: str, low: int, high: int, *, default: i
 _STREAM_ID = re.compile(r"^[0-9]{1,20}-[0-9]{1,20}\Z")
 
 
+def valid_stream_id(text: str) -> bool:
+    """A Redis stream id: two 64-bit unsigned parts. A larger one fails the hub's shared XREAD
+    for every subscriber of the process, not just its sender."""
+    return bool(_STREAM_ID.match(text)) and all(int(p) < 2**64 for p in text.split("-"))
+
+
 async def events(request: web.Request) -> web.StreamResponse:
     """Server-Sent Events for the caller: question.created for what now waits for them,
     question.resolved (the terminal envelope) for what they asked or could answer."""
     principal = request[PRINCIPAL]
     hub = request.app[EVENT_HUB]
     last = request.headers.get("Last-Event-ID") or request.query.get("last_event_id")
-    if last is not None and not _STREAM_ID.match(last):
+    if last is not None and not valid_stream_id(last):
         raise Invalid("Last-Event-ID must be an id this stream sent (like 1700000000000-0)")
     position = last if last is not None else await hub.latest_id(principal.id)
     subscriber = hub.subscribe(principal.id, position)
