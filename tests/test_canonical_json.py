@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from service.bodies import Ask
-from service.model import canonical_json, canonical_json_without_floats
+from service.model import MAX_LABEL, canonical_json, canonical_json_without_floats
 from service.questions import metadata_json, request_digest
 
 text = st.text()  # no lone surrogates (hypothesis leaves them out): no decoder lets one through
@@ -23,7 +23,11 @@ no_floats = st.recursive(
     max_leaves=20,
 )
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | text,
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)  # what metadata takes (msgpack's range)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | text,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(text, inner, max_size=4),
     max_leaves=20,
 )
@@ -31,7 +35,9 @@ asks: st.SearchStrategy[dict[str, Any]] = st.builds(
     dict,
     prompt=text.filter(bool),
     options=st.lists(
-        st.fixed_dictionaries({"id": st.from_regex(r"\A[a-z]{1,8}\Z"), "label": text.filter(bool)}),
+        st.fixed_dictionaries(
+            {"id": st.from_regex(r"\A[a-z]{1,8}\Z"), "label": st.text(min_size=1, max_size=MAX_LABEL)}
+        ),
         min_size=2,
         max_size=10,
     ),
