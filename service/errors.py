@@ -6,7 +6,8 @@ from typing import Any
 
 
 class ServiceError(Exception):
-    """A refusal the caller can act on. `slug` names the problem type; `detail` says why."""
+    """A refusal the caller can act on. `slug` names the problem type; `detail` says why; `extra`
+    becomes the problem's extension members (RFC 9457 section 3.2)."""
 
     slug = "error"
     title = "Error"

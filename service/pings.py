@@ -31,7 +31,7 @@ from standardwebhooks.webhooks import Webhook as Signer
 
 from service.auth import Directory
 from service.bodies import NewChannel
-from service.errors import ActionUsed, Forbidden, Invalid, InvalidAction, NotFound
+from service.errors import Forbidden, Invalid, InvalidAction, NotFound
 from service.keys import Keys
 from service.model import Principal, State, timestamp, to_json
 from service.outbound import Attempt, OutboundPolicy, post
@@ -136,7 +136,7 @@ def action_digest(token: str) -> str:
 
 
 class Actions:
-    """Answers through a Ping's action link: the link is the authentication, used at most once."""
+    """Answers through a Ping's action link: the link is the authentication, and answers at most once."""
 
     def __init__(
         self, redis: Redis, keys: Keys, server_keys: ServerKeys, directory: Directory, ttl_seconds: int
@@ -147,16 +147,22 @@ class Actions:
         self.directory = directory
         self.ttl_seconds = ttl_seconds
 
-    async def claim(self, token: str) -> tuple[ActionClaim, Principal]:
-        """The verified claim and its user; marks the link used, so a replay is refused."""
+    async def claim(self, token: str) -> tuple[ActionClaim, Principal, bool]:
+        """The verified claim, its user, and whether this tap marked the link used (False: an
+        earlier tap of the same link did)."""
         claim = verify_action(await self.server_keys.action_key(), token)
         user = await self.directory.principal(claim.user)
         if user is None:
             raise InvalidAction("the link's user no longer exists")
-        used = self.keys.action_used(claim.question, action_digest(token))
-        if not await self.redis.set(used, "1", nx=True, ex=self.ttl_seconds):
-            raise ActionUsed("each action link answers once; the question's state is on its page")
-        return claim, user
+        first = await self.redis.set(self._used_key(claim, token), "1", nx=True, ex=self.ttl_seconds)
+        return claim, user, bool(first)
+
+    async def release(self, claim: ActionClaim, token: str) -> None:
+        """Unmarks a link whose answer did not run to its end, so the same tap may be retried."""
+        await self.redis.delete(self._used_key(claim, token))
+
+    def _used_key(self, claim: ActionClaim, token: str) -> str:
+        return self.keys.action_used(claim.question, action_digest(token))
 
 
 # -- channels -----------------------------------------------------------------------------------

@@ -193,8 +193,10 @@ def test_every_body_route_documents_the_body_errors() -> None:
 def problem_schema_of(slug: str) -> dict[str, Any]:
     by_type = {}
     for name, schema in SPEC["components"]["schemas"].items():
-        if name.endswith("Problem") and "allOf" in schema:
-            by_type[json.dumps(schema["allOf"][1]["properties"]["type"])] = schema["allOf"][1]["properties"]
+        if not name.endswith("Problem") or name == "Problem":
+            continue
+        properties = schema["allOf"][1]["properties"] if "allOf" in schema else schema["properties"]
+        by_type[json.dumps(properties["type"])] = properties
     return by_type[json.dumps({"const": problems.PROBLEM_BASE + slug})]
 
 

@@ -17,14 +17,17 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from redis.exceptions import ConnectionError as RedisConnectionError
 from standardwebhooks.webhooks import Webhook as Verifier
 
 from service.http.app import create_app
+from service.http.appkeys import QUESTIONS
 from service.settings import Settings
 from tests.api import Api
 from tests.conftest import ADMIN_TOKEN, close_client, test_settings
 from tests.receivers import Hit, RecordingReceiver, recording_receiver
 from tests.redis_server import RedisServer, free_port
+from tests.test_openapi import validator
 
 pytestmark = pytest.mark.redis
 ACTION_URL = re.compile(r"(http://127\.0\.0\.1:\d+/v1/actions/[A-Za-z0-9_.-]+)")
@@ -219,11 +222,65 @@ async def test_replayed_and_forged_action_links_are_refused_and_change_nothing(
     assert (await post_action(api, swapped)).status == 403
     assert (await api.get(agent, first["id"])).body["state"] == "pending"
 
-    assert (await post_action(api, yes_first)).body["applied"] is True
+    answered = await post_action(api, yes_first)
+    assert answered.body["applied"] is True
     replay = await post_action(api, yes_first)
     assert replay.status == 409
     assert replay.body["type"].endswith("action-used")
+    # The duplicate still shows how the question ended: the same terminal envelope.
+    assert replay.body["question"] == answered.body["question"]
+    validator("ActionUsedProblem").validate(replay.body)
     assert (await api.get(agent, second["id"])).body["state"] == "pending"
+
+
+async def test_a_tap_whose_answer_failed_on_a_redis_error_can_be_tapped_again(
+    service: tuple[Api, Settings], receivers: RecordingReceiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    api, _ = service
+    alice = await api.principal("alice", "user")
+    agent = await api.principal("deploybot", "agent")
+    await put_channel(api, alice, "phone", {"kind": "ntfy", "url": f"{receivers.base}/ntfy"})
+    question = await api.ask(agent, {"user": "alice"})
+    yes = ACTION_URL.findall((await receivers.at("/ntfy", 1))[0].headers["Actions"])[0]
+    questions = api.client.app[QUESTIONS]  # type: ignore[index]
+    real_answer = questions.answer
+
+    async def unreachable(*_args: Any) -> Any:
+        raise RedisConnectionError("Redis went away mid-request")
+
+    monkeypatch.setattr(questions, "answer", unreachable)
+    failed = await post_action(api, yes)
+    assert failed.status == 503
+    assert (await api.get(agent, question["id"])).body["state"] == "pending"
+
+    monkeypatch.setattr(questions, "answer", real_answer)
+    retried = await post_action(api, yes)
+    assert retried.status == 200
+    assert retried.body["applied"] is True
+    assert retried.body["question"]["answer"]["option"] == "yes"
+
+
+async def test_a_room_link_refused_while_its_user_was_out_of_the_room_works_once_they_are_back(
+    service: tuple[Api, Settings], receivers: RecordingReceiver
+) -> None:
+    api, _ = service
+    bob = await api.principal("bob", "user")
+    await api.principal("carol", "user")
+    agent = await api.principal("deploybot", "agent")
+    await api.room("ops", ["bob", "carol"])
+    await put_channel(api, bob, "phone", {"kind": "ntfy", "url": f"{receivers.base}/ntfy"})
+    question = await api.ask(agent, {"room": "ops"})
+    yes = ACTION_URL.findall((await receivers.at("/ntfy", 1))[0].headers["Actions"])[0]
+
+    await api.room("ops", ["carol"])
+    refused = await post_action(api, yes)
+    assert refused.status == 404  # a room question is invisible to someone outside the room
+    assert (await api.get(agent, question["id"])).body["state"] == "pending"
+
+    await api.room("ops", ["bob", "carol"])
+    answered = await post_action(api, yes)
+    assert answered.status == 200
+    assert answered.body["question"]["answer"]["responder"] == "bob"
 
 
 @pytest.mark.parametrize("ending", ["cancel", "expire"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 from redis.exceptions import BusyLoadingError, ReadOnlyError
@@ -42,13 +43,14 @@ def problem(
     *,
     slug: str | None = None,
     headers: dict[str, str] | None = None,
+    members: dict[str, Any] | None = None,
 ) -> web.Response:
-    body = {
+    body: dict[str, Any] = {
         "type": PROBLEM_BASE + slug if slug else "about:blank",
         "title": title,
         "status": status,
         "detail": detail,
-    }
+    } | (members or {})
     response = web.Response(body=to_json(body), status=status, headers=headers)
     response.content_type = PROBLEM
     return response
@@ -61,7 +63,7 @@ def from_service_error(exc: errors.ServiceError) -> web.Response:
         headers["WWW-Authenticate"] = 'Bearer realm="question-service"'
     if status == 503:
         headers["Retry-After"] = "1"
-    return problem(status, exc.title, exc.detail, slug=exc.slug, headers=headers)
+    return problem(status, exc.title, exc.detail, slug=exc.slug, headers=headers, members=exc.extra)
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

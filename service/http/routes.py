@@ -11,7 +11,15 @@ from aiohttp import web
 
 from service import bodies
 from service.bodies import IDENTITY_FIELDS
-from service.errors import Forbidden, IdentityInBody, Invalid, NotFound, Unauthenticated, Unavailable
+from service.errors import (
+    ActionUsed,
+    Forbidden,
+    IdentityInBody,
+    Invalid,
+    NotFound,
+    Unauthenticated,
+    Unavailable,
+)
 from service.http.appkeys import (
     ACTIONS,
     DELIVERIES,
@@ -325,9 +333,22 @@ async def webpush_key(request: web.Request) -> web.Response:
 
 
 async def act(request: web.Request) -> web.Response:
-    """A Ping's button: the signed link is the authentication; answers as its user, once."""
-    claim, user = await request.app[ACTIONS].claim(request.match_info["token"])
-    outcome = await request.app[QUESTIONS].answer(user, claim.question, claim.option)
+    """A Ping's button: the signed link is the authentication; answers as its user, once.
+
+    A repeated tap (a phone delivering one tap twice) is a 409 that carries the question as it
+    is now, so it still shows the resolved state; a tap whose answer did not complete (Redis
+    unreachable) leaves the link unused, so the same button can be tapped again."""
+    token = request.match_info["token"]
+    actions, questions = request.app[ACTIONS], request.app[QUESTIONS]
+    claim, user, first = await actions.claim(token)
+    if not first:
+        question = await questions.get(user, claim.question)
+        raise ActionUsed("each action link answers once; this one already did", question=question.envelope())
+    try:
+        outcome = await questions.answer(user, claim.question, claim.option)
+    except Exception:
+        await actions.release(claim, token)
+        raise
     return respond(request, outcome_reply(outcome))
 
 
