@@ -665,6 +665,20 @@ async def test_wait_timeout_is_clamped_to_the_configured_maximum(redis_server: R
         assert by_query.body == by_prefer.body == created
         assert by_prefer.headers["Preference-Applied"] == "wait=0.3"
         assert "Preference-Applied" not in by_query.headers
+        # More digits than a float holds is still a number of seconds, only a long one.
+        by_long_prefer = await within(
+            5,
+            send(
+                client,
+                "GET",
+                f"/v1/questions/{created['id']}/wait",
+                cast.agent,
+                headers={"Prefer": "wait=" + "9" * 400},
+            ),
+            "a Prefer: wait=<400 digits> clamped to 0.3 s",
+        )
+        assert by_long_prefer.status == 200
+        assert by_long_prefer.headers["Preference-Applied"] == "wait=0.3"
     finally:
         await client.close()
 
@@ -806,6 +820,29 @@ async def test_a_msgpack_cancel_body_is_read_like_json(cast: Cast) -> None:
     assert reply.status == 200
     assert reply.content_type == "application/json"
     assert reply.body["question"]["cancellation"] == {"by": "deploybot", "reason": "über"}
+
+
+@pytest.mark.parametrize(
+    ("accept", "content_type"),
+    [
+        ("application/msgpack", "application/msgpack"),
+        ("application/msgpack;q=0", "application/json"),
+        ("application/msgpack; q=0.0, */*", "application/json"),
+        ("application/msgpack;q=nan", "application/json"),
+        ("application/msgpack;q=7", "application/json"),
+        ("application/json;q=0.5, application/msgpack", "application/msgpack"),
+        ("application/json, application/msgpack;q=0.9", "application/json"),
+        ("application/vnd.msgpack;q=0.9, */*;q=0.1", "application/msgpack"),
+    ],
+)
+async def test_accept_chooses_msgpack_only_when_it_is_preferred_and_acceptable(
+    cast: Cast, accept: str, content_type: str
+) -> None:
+    created = await ask(cast)
+    reply = await send(cast.api.client, "GET", f"/v1/questions/{created['id']}", cast.agent, accept=accept)
+    assert reply.status == 200
+    assert reply.content_type == content_type
+    assert reply.body == created
 
 
 async def test_errors_stay_problem_json_when_msgpack_is_accepted(cast: Cast) -> None:

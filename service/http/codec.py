@@ -83,6 +83,8 @@ async def read_body(request: web.Request, *, optional: bool = False) -> Any:
 
 
 def wants_msgpack(request: web.Request) -> bool:
+    """True when `Accept` prefers a msgpack type; a type with `q=0` (or a q outside 0-1, or one
+    that is not a number) is not acceptable at all (RFC 9110 section 12.4.2)."""
     accept = request.headers.get("Accept", "")
     if not accept:
         return False
@@ -97,6 +99,8 @@ def wants_msgpack(request: web.Request) -> bool:
                     quality = float(value)
                 except ValueError:
                     quality = 0.0
+        if not 0.0 < quality <= 1.0:
+            continue
         media = media.strip().lower()
         if media in _MSGPACK_TYPES and quality > best[0]:
             best = (quality, True)

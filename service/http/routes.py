@@ -174,7 +174,8 @@ def wait_seconds(request: web.Request) -> tuple[float, bool]:
     raw = request.query.get("timeout")
     preferred = None if raw is not None else _PREFER_WAIT.search(request.headers.get("Prefer", ""))
     if preferred is not None:
-        raw = preferred.group(1)
+        # Digits only, so always a number; one too long for a float (inf) just asks for the most.
+        return min(float(preferred.group(1)), settings.wait_max_seconds), True
     if raw is None:
         return settings.wait_default_seconds, False
     try:
@@ -183,7 +184,7 @@ def wait_seconds(request: web.Request) -> tuple[float, bool]:
         raise Invalid("timeout must be a number of seconds") from None
     if not 0 <= seconds < float("inf"):
         raise Invalid("timeout must be a non-negative number of seconds")
-    return min(seconds, settings.wait_max_seconds), preferred is not None
+    return min(seconds, settings.wait_max_seconds), False
 
 
 def idempotency_key(request: web.Request) -> str | None:
