@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.resolver import DefaultResolver
+from yarl import URL
 
 from service.errors import Invalid
 
@@ -58,10 +59,15 @@ class OutboundPolicy:
         """A syntactically usable http(s) URL whose literal address, if any, is allowed."""
         if len(url) > MAX_URL:
             raise Invalid(f"the URL is longer than {MAX_URL} characters")
+        if _SPACE_OR_CONTROL.search(url):
+            # urlsplit silently drops tabs and newlines, and aiohttp sends a space in a host as
+            # is: either way what was checked would not be what is delivered to.
+            raise Invalid("the URL must not contain spaces or control characters")
         try:
             parts = urlsplit(url)
             host = parts.hostname
             _ = parts.port  # read now: an out-of-range port is refused here, not at delivery
+            sent_host = URL(url).raw_host or ""  # the host as delivery will send it (IDNA)
         except ValueError as exc:  # a bad [IPv6] host or port
             raise Invalid(f"the URL does not parse: {exc}") from exc
         if parts.scheme not in ("http", "https") or not host:
@@ -69,6 +75,8 @@ class OutboundPolicy:
         if parts.username or parts.password:
             raise Invalid("the URL must not carry credentials")
         literal = _literal_address(host)
+        if literal is None and not _HOST_NAME.match(sent_host):
+            raise Invalid(f"{host!r} is not a host name: labels of letters, digits, '-' and '_'")
         if literal is None and _LEGACY_IPV4.match(host):
             raise Invalid(f"{host} is an IPv4 address in a legacy form: write it as four decimal parts")
         if (literal is not None and self.refuses(literal)) or host.lower().rstrip(".") == "localhost":
@@ -81,6 +89,11 @@ class OutboundPolicy:
 # with one would only retry until it is dead-lettered. A canonical quad also matches: callers
 # ask only when the host is not an address already.
 _LEGACY_IPV4 = re.compile(r"^(?:0x[0-9a-f]*|[0-9]+)(?:\.(?:0x[0-9a-f]*|[0-9]+)){0,3}\.?\Z", re.IGNORECASE)
+
+
+_SPACE_OR_CONTROL = re.compile(r"[\x00-\x20\x7f]")
+# Dot-separated labels of 1-63 characters, at most 253 in all; '_' too, as some internal names use it.
+_HOST_NAME = re.compile(r"^(?=.{1,253}\.?\Z)[a-z0-9_-]{1,63}(?:\.[a-z0-9_-]{1,63})*\.?\Z", re.IGNORECASE)
 
 
 def _literal_address(host: str) -> IPAddress | None:

@@ -138,6 +138,12 @@ async def test_registration_shows_the_secret_once_lists_without_it_rotates_and_d
         {"url": "https://example.com/x", "events": ["question.deleted"]},
         {"url": "https://example.com/x", "events": []},
         {"url": "https://example.com/" + "x" * 2100, "events": ["question.answered"]},
+        {"url": "https://exa mple.com/x", "events": ["question.answered"]},
+        {"url": "https://exa\u0000mple.com/x", "events": ["question.answered"]},
+        {"url": "https://example.com/a\nb", "events": ["question.answered"]},
+        {"url": "https://exa%41mple.com/x", "events": ["question.answered"]},
+        {"url": "https://example..com/x", "events": ["question.answered"]},
+        {"url": "https://" + "a" * 64 + ".com/x", "events": ["question.answered"]},
     ],
 )
 async def test_registration_refuses_bad_and_private_urls_by_default(
@@ -311,7 +317,18 @@ def test_outbound_policy_refuses_every_non_public_address(address: str, refused:
     assert OutboundPolicy().refuses(ipaddress.ip_address(address)) is refused
 
 
-@pytest.mark.parametrize("host", ["example.com", "1e100.net", "8.8.8.8", "[2001:4860:4860::8888]", "x.0x7f"])
+@pytest.mark.parametrize(
+    "host",
+    [
+        "example.com",
+        "1e100.net",
+        "8.8.8.8",
+        "[2001:4860:4860::8888]",
+        "x.0x7f",
+        "bücher.example",
+        "a_b.example.",
+    ],
+)
 def test_public_names_and_dotted_quads_pass_the_url_check(host: str) -> None:
     assert OutboundPolicy().check_url(f"https://{host}/hook") == f"https://{host}/hook"
 
