@@ -42,6 +42,7 @@
 
   Events:
     XADD KEYS[4] type=question.created id=<id> question=<cjson fields>
+    HINCRBY KEYS[5] created 1
 ]]
 --@include "now_ms"
 local now = now_ms()

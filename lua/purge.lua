@@ -14,7 +14,9 @@
 
   Output:
     1                        removed (question, both index entries, its schedule entry)
-    0                        not due yet, or already removed
+    0                        not due yet, or the question is already gone (its leftover schedule
+                             entry, if due, is dropped: a hash deleted outside this script)
+    error reply              misuse only: the question is still pending
 
   Events: none. Removal is housekeeping, not a transition.
 ]]
@@ -28,11 +30,12 @@ local q = redis.call('HMGET', KEYS[1], 'state', 'created_ms')
 if q[1] == 'pending' then
   return redis.error_reply('ERR purge of a pending question: ' .. ARGV[1])
 end
-if q[2] then
-  local member = string.format('%013d:%s', tonumber(q[2]), ARGV[1])
-  redis.call('ZREM', KEYS[3], member)
-  redis.call('ZREM', KEYS[4], member)
-  redis.call('DEL', KEYS[1])
-end
 redis.call('ZREM', KEYS[2], ARGV[1])
+if not q[2] then
+  return 0
+end
+local member = string.format('%013d:%s', tonumber(q[2]), ARGV[1])
+redis.call('ZREM', KEYS[3], member)
+redis.call('ZREM', KEYS[4], member)
+redis.call('DEL', KEYS[1])
 return 1

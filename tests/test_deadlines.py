@@ -13,7 +13,7 @@ from aiohttp.test_utils import TestClient
 from redis.asyncio import Redis
 
 from service.http.appkeys import LISTENER, STORE, SWEEPER
-from service.keys import BUCKETS, Keys
+from service.keys import BUCKETS, Keys, bucket_of
 from service.scripts import Code
 from service.settings import Settings
 from service.sweeper import EXPIRED_EVENT, Sweeper
@@ -364,5 +364,30 @@ async def test_a_sweep_ends_and_drops_deadline_entries_whose_question_hash_is_go
         result = await asyncio.wait_for(Sweeper(store, interval=0.2).sweep_once(), 10)
         assert result.expired == 0
         assert await redis.zcard(deadlines) == 0
+    finally:
+        await client.aclose()
+
+
+async def test_purging_a_question_whose_hash_is_gone_drops_its_schedule_entry_and_counts_nothing(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    # The hash can vanish between purge_many's read and the script (an operator's DEL): the
+    # sweeper's purged total must not count a removal that did not happen.
+    settings = settings_for(redis_server.url)
+    client, _, store = open_store(settings)
+    try:
+        keys = Keys(settings.key_prefix)
+        question_id = f"0{7:024x}"
+        schedule = keys.purge(bucket_of(question_id))
+        await redis.zadd(schedule, {question_id: 1})
+        script_keys = {
+            "question": keys.for_question(question_id).question,
+            "purge": schedule,
+            "asker index": keys.asker_index(0, "agent"),
+            "target index": keys.target_index(0, "user", "alice"),
+        }
+        [reply] = await store.scripts.call_many("purge", [(script_keys, {"id": question_id})])
+        assert reply.code is Code.STALE
+        assert await redis.zscore(schedule, question_id) is None
     finally:
         await client.aclose()
