@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler, Middleware
 
 from service.keys import QUESTION_ID as QUESTION_ID_PATTERN
@@ -146,12 +147,30 @@ def _timestamp(created: float) -> str:
     return datetime.fromtimestamp(created, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
+class UnreadableRequests(logging.Filter):
+    """aiohttp logs a request its HTTP parser cannot read (a header line over 8,190 bytes, a
+    port scanner's bytes) at ERROR with a traceback. That is the client's mistake, answered with
+    a 400, not the service's: one WARNING line without the traceback, so a scanner cannot fill
+    the error log or page anyone."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            said = record.getMessage()
+            record.msg = "%s: unreadable HTTP request, answered %s: %.200s"
+            record.args = (said, exc.code, exc.message)
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
 def configure_logging(settings: Settings, stream: Any = None) -> logging.Handler:
     """The root logger writes to stderr (or `stream`) in QS_LOG_FORMAT at QS_LOG_LEVEL."""
     redact = Redactor((settings.admin_token,))
     handler = logging.StreamHandler(stream or sys.stderr)
     fmt = JsonFormatter(redact) if settings.log_format == "json" else TextFormatter(redact)
     handler.setFormatter(fmt)
+    handler.addFilter(UnreadableRequests())
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

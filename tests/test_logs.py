@@ -201,6 +201,37 @@ async def test_serve_writes_json_lines_to_stderr(settings: Settings) -> None:
     assert ADMIN_TOKEN not in stderr
 
 
+async def test_an_unreadable_request_is_one_warning_line_without_a_traceback(settings: Settings) -> None:
+    port = free_port()
+    env = {
+        **os.environ,
+        "QS_REDIS_URL": settings.redis_url,
+        "QS_KEY_PREFIX": settings.key_prefix,
+        "QS_PORT": str(port),
+        "QS_ADMIN_TOKEN": ADMIN_TOKEN,
+    }
+    env.pop("QS_LOG_FORMAT", None)
+    process = start_serve(env)
+    try:
+        async with aiohttp.ClientSession() as session:
+            await wait_until_serving(session, port)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n")
+        status_line = await reader.readline()
+        writer.close()
+        await writer.wait_closed()
+        assert status_line.startswith(b"HTTP/1.0 400") or status_line.startswith(b"HTTP/1.1 400")
+    finally:
+        process.terminate()
+        _, stderr = process.communicate(timeout=20)
+    lines = [json.loads(line) for line in stderr.splitlines() if line.strip()]
+    (line,) = [x for x in lines if x["logger"] == "aiohttp.server"]
+    assert line["level"] == "WARNING"
+    assert "unreadable HTTP request, answered 400" in line["msg"]
+    assert "exc" not in line
+    assert len(line["msg"]) < 400
+
+
 def start_serve(env: dict[str, str]) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "service", "serve"], env=env, stderr=subprocess.PIPE, text=True
