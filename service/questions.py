@@ -27,7 +27,7 @@ from service.model import (
     canonical_json_without_floats,
 )
 from service.scripts import Code, Reply
-from service.store import BadCursor, NewQuestion, Page, QuestionStore
+from service.store import BadCursor, NewQuestion, Page, QuestionStore, keyed_call_id, new_call_id
 from service.waiters import Waiters
 from service.webhooks import new_secret
 
@@ -207,33 +207,38 @@ class QuestionService:
 
     # -- transitions ----------------------------------------------------------------------------
 
-    async def answer(self, principal: Principal, question_id: str, option: str) -> Outcome:
+    async def answer(
+        self, principal: Principal, question_id: str, option: str, idempotency_key: str | None = None
+    ) -> Outcome:
+        """With `idempotency_key`, the same request sent again reports `applied` again when its
+        first try made the transition (a retry after a lost reply), and changes nothing."""
         if not QUESTION_ID.match(question_id):
             raise NotFound(f"no question {question_id!r}")
         if principal.kind is not Kind.USER:
             await self.get(principal, question_id)  # 404 unless it may see the question
             raise Forbidden("only the target user or a member of the target room may answer")
-        reply = await self._answer_as(principal, question_id, option)
+        call_id = call_id_of(idempotency_key, principal.id, "answer", question_id, option)
+        reply = await self._answer_as(principal, question_id, option, call_id)
         if reply.code is Code.NOT_ELIGIBLE:
             raise NotFound(f"no question {question_id!r}")  # for users, eligible == visible
         if reply.code is Code.UNKNOWN_OPTION:
             raise Invalid(f"{option!r} is not one of this question's options")
         return outcome_of(question_id, reply)
 
-    async def _answer_as(self, user: Principal, question_id: str, option: str) -> Reply:
+    async def _answer_as(self, user: Principal, question_id: str, option: str, call_id: str) -> Reply:
         """Answer with the room membership this question needs, read just before the script.
         A question whose target this process does not know yet is first tried as a direct
         one (the common case: one Redis call); the refusal names its room if it has one."""
         target = self.targets.get(question_id)
         rooms = await self._rooms_for(user, target) if target is not None else []
-        reply = await self.store.answer(question_id, user.id, option, rooms)
+        reply = await self.store.answer(question_id, user.id, option, rooms, call_id)
         if reply.fields is None:
             return reply
         question = self._learn(Question(reply.fields))
         if reply.code is Code.NOT_ELIGIBLE and target is None and question.target.kind == "room":
             rooms = await self._rooms_for(user, question.target)
             if rooms:
-                return await self.store.answer(question_id, user.id, option, rooms)
+                return await self.store.answer(question_id, user.id, option, rooms, call_id)
         return reply
 
     async def _rooms_for(self, user: Principal, target: Target) -> list[str]:
@@ -241,16 +246,24 @@ class QuestionService:
             return [target.id]
         return []
 
-    async def cancel(self, principal: Principal, question_id: str, reason: str) -> Outcome:
+    async def cancel(
+        self, principal: Principal, question_id: str, reason: str, idempotency_key: str | None = None
+    ) -> Outcome:
+        """`idempotency_key`: as for answer."""
         if not QUESTION_ID.match(question_id):
             raise NotFound(f"no question {question_id!r}")
         admin = principal.kind is Kind.ADMIN
-        reply = await self.store.cancel(question_id, principal.id, reason, any_asker=admin)
+        call_id = call_id_of(idempotency_key, principal.id, "cancel", question_id, reason)
+        reply = await self.store.cancel(question_id, principal.id, reason, any_asker=admin, call_id=call_id)
         if reply.code is Code.NOT_ASKER:
             if await self.visible(principal, question_of(reply)):
                 raise Forbidden("only the question's asker or an admin may cancel it")
             raise NotFound(f"no question {question_id!r}")
         return outcome_of(question_id, reply)
+
+
+def call_id_of(idempotency_key: str | None, *request: str) -> str:
+    return new_call_id() if idempotency_key is None else keyed_call_id(idempotency_key, *request)
 
 
 def access_of(principal: Principal, question: Question) -> bool | str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import hashlib
 import itertools
 import re
 import secrets
@@ -34,6 +35,13 @@ def new_call_id() -> str:
     """Unique per call: a random per-process prefix (40 bits) and a counter. Cheaper than
     drawing fresh random bytes per call, which cost a system call on the hot path."""
     return f"{_CALL_PREFIX}{next(_call_numbers):x}"
+
+
+def keyed_call_id(*request: str) -> str:
+    """The call id of a request the client may send again (its principal, operation,
+    Idempotency-Key and body): the same request gets the same id, so a retry whose first try
+    made the transition is told `applied` again. The ':' keeps it apart from new_call_id's hex."""
+    return "k:" + hashlib.sha256("\0".join(request).encode()).hexdigest()[:32]
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,26 +178,28 @@ class QuestionStore:
             "want fields": "1" if want_fields else "0",
         }
 
-    async def answer(self, question_id: str, responder: str, option: str, rooms: Sequence[str]) -> Reply:
+    async def answer(
+        self, question_id: str, responder: str, option: str, rooms: Sequence[str], call_id: str
+    ) -> Reply:
         """`rooms`: the responder's rooms, read just before; eligibility is decided in the script."""
         args: dict[str, str | int] = {
             "id": question_id,
             "responder": responder,
             "option": option,
-            "call id": new_call_id(),
+            "call id": call_id,
             "responder rooms": "|" + "|".join(rooms) + "|",
             "retention": self.retention_ms,
             "outbox maxlen": self.outbox_maxlen,
         }
         return await self.scripts.call("answer", self._tap_keys(question_id), args)
 
-    async def cancel(self, question_id: str, by: str, reason: str, *, any_asker: bool) -> Reply:
+    async def cancel(self, question_id: str, by: str, reason: str, *, any_asker: bool, call_id: str) -> Reply:
         args: dict[str, str | int] = {
             "id": question_id,
             "by": by,
             "any asker": "1" if any_asker else "0",
             "reason": reason,
-            "call id": new_call_id(),
+            "call id": call_id,
             "retention": self.retention_ms,
             "outbox maxlen": self.outbox_maxlen,
         }

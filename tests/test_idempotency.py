@@ -1,4 +1,5 @@
-"""Agents' retries: one Idempotency-Key, one question, however many times and however encoded."""
+"""Agents' retries: one Idempotency-Key, one question, however many times and however encoded;
+and an answer or cancel sent again with its key is told what its first try did."""
 
 from __future__ import annotations
 
@@ -166,3 +167,74 @@ async def test_replay_after_the_question_was_answered_returns_it_as_it_stands(ap
 
     assert replay.status == 200
     assert replay.body == answered.body["question"]
+
+
+# -- answers and cancels: a retry after a lost reply is told what its first try did -------------
+
+
+async def test_an_answer_sent_again_with_its_idempotency_key_is_told_applied_and_changes_nothing(
+    api: Api, settings: Settings, redis: Redis
+) -> None:
+    agent, _ = await people(api)
+    alice = (await api.call("POST", "/v1/admin/principals/alice/tokens", ADMIN_TOKEN)).body["token"]
+    question = (await api.call("POST", "/v1/questions", agent, ask_body({"user": "alice"}))).body
+    path = f"/v1/questions/{question['id']}/answer"
+    key = {"Idempotency-Key": "tap-1"}
+
+    first = await api.call("POST", path, alice, {"option": "yes"}, headers=key)
+    retried = await api.call("POST", path, alice, {"option": "yes"}, headers=key)
+    unkeyed = await api.call("POST", path, alice, {"option": "yes"})
+    other_option = await api.call("POST", path, alice, {"option": "no"}, headers=key)
+
+    assert [r.body["applied"] for r in (first, retried, unkeyed, other_option)] == [True, True, False, False]
+    assert retried.body["question"] == first.body["question"] == other_option.body["question"]
+    assert first.body["question"]["version"] == 2
+    totals = await stats_totals(redis, settings.key_prefix)
+    assert (totals["answered"], totals["stale"]) == (1, 2)  # the keyed retry is not a stale tap
+
+
+async def test_the_same_answer_key_from_another_room_member_is_not_told_applied(api: Api) -> None:
+    agent, _ = await people(api)
+    tokens = {}
+    for user in ("bob", "carol"):
+        await api.principal(user, "user")
+        tokens[user] = (await api.call("POST", f"/v1/admin/principals/{user}/tokens", ADMIN_TOKEN)).body[
+            "token"
+        ]
+    await api.room("ops", ["bob", "carol"])
+    question = (await api.call("POST", "/v1/questions", agent, ask_body({"room": "ops"}))).body
+    path = f"/v1/questions/{question['id']}/answer"
+    key = {"Idempotency-Key": "same-key"}
+
+    bob = await api.call("POST", path, tokens["bob"], {"option": "yes"}, headers=key)
+    carol = await api.call("POST", path, tokens["carol"], {"option": "yes"}, headers=key)
+
+    assert (bob.body["applied"], carol.body["applied"]) == (True, False)
+    assert carol.body["question"]["answer"]["responder"] == "bob"
+
+
+async def test_a_cancel_sent_again_with_its_idempotency_key_is_told_applied(api: Api) -> None:
+    agent, _ = await people(api)
+    question = (await api.call("POST", "/v1/questions", agent, ask_body({"user": "alice"}))).body
+    path = f"/v1/questions/{question['id']}/cancel"
+    key = {"Idempotency-Key": "withdraw-1"}
+
+    first = await api.call("POST", path, agent, {"reason": "plan changed"}, headers=key)
+    retried = await api.call("POST", path, agent, {"reason": "plan changed"}, headers=key)
+    other_reason = await api.call("POST", path, agent, {"reason": "another"}, headers=key)
+
+    assert [r.body["applied"] for r in (first, retried, other_reason)] == [True, True, False]
+    assert retried.body["question"] == first.body["question"]
+    assert first.body["question"]["cancellation"] == {"by": "deploybot", "reason": "plan changed"}
+
+
+async def test_a_bad_idempotency_key_on_an_answer_is_422_and_answers_nothing(api: Api) -> None:
+    agent, _ = await people(api)
+    alice = (await api.call("POST", "/v1/admin/principals/alice/tokens", ADMIN_TOKEN)).body["token"]
+    question = (await api.call("POST", "/v1/questions", agent, ask_body({"user": "alice"}))).body
+    path = f"/v1/questions/{question['id']}/answer"
+
+    refused = await api.call("POST", path, alice, {"option": "yes"}, headers={"Idempotency-Key": "x" * 256})
+
+    assert refused.status == 422
+    assert (await api.call("GET", f"/v1/questions/{question['id']}", agent)).body["state"] == "pending"

@@ -13,7 +13,7 @@ from service.http.appkeys import STORE, SWEEPER
 from service.model import envelope
 from service.scripts import Code, Reply, Scripts
 from service.settings import Settings
-from service.store import QuestionStore
+from service.store import QuestionStore, new_call_id
 from tests.api import Api
 from tests.conftest import ADMIN_TOKEN, start_client
 from tests.conftest import test_settings as settings_for
@@ -95,7 +95,7 @@ async def test_answer_rerun_with_the_same_call_id_reports_applied_and_changes_no
     question_id = await created(qs)
     recorder = Recorder(scripts)
     async with ChannelTap(redis, [qs.channel(question_id)]) as tap:
-        first = await qs.answer(question_id, "alice", "yes", [])
+        first = await qs.answer(question_id, "alice", "yes", [], new_call_id())
         assert len(await tap.drain()) == 1
     assert first.code is Code.APPLIED
 
@@ -119,7 +119,7 @@ async def test_cancel_rerun_with_the_same_call_id_reports_applied_and_changes_no
     _, scripts, qs = store
     question_id = await created(qs)
     recorder = Recorder(scripts)
-    first = await qs.cancel(question_id, "agent", "changed my mind", any_asker=False)
+    first = await qs.cancel(question_id, "agent", "changed my mind", any_asker=False, call_id=new_call_id())
     assert first.code is Code.APPLIED
 
     second, before, after, published = await run_twice(redis, qs, recorder, question_id, first)
@@ -202,7 +202,7 @@ async def test_answer_whose_first_run_expired_the_question_inline_reruns_as_stal
     question_id = await overdue(redis, qs)
     recorder = Recorder(scripts)
     async with ChannelTap(redis, [qs.channel(question_id)]) as tap:
-        first = await qs.answer(question_id, "alice", "yes", [])
+        first = await qs.answer(question_id, "alice", "yes", [], new_call_id())
         assert len(await tap.drain()) == 1  # the inline expiry published the terminal envelope
     assert first.code is Code.STALE
     assert first.fields is not None
@@ -230,12 +230,12 @@ async def test_rerun_of_a_stale_call_changes_nothing_not_even_the_stale_counter(
         question_id = await overdue(redis, qs)
     else:
         question_id = await created(qs)
-        assert (await qs.answer(question_id, "alice", "no", [])).code is Code.APPLIED
+        assert (await qs.answer(question_id, "alice", "no", [], new_call_id())).code is Code.APPLIED
     recorder = Recorder(scripts)
     if late.startswith("cancel"):
-        first = await qs.cancel(question_id, "agent", "", any_asker=False)
+        first = await qs.cancel(question_id, "agent", "", any_asker=False, call_id=new_call_id())
     else:
-        first = await qs.answer(question_id, "alice", "yes", [])
+        first = await qs.answer(question_id, "alice", "yes", [], new_call_id())
     assert first.code is Code.STALE
 
     second, before, after, published = await run_twice(redis, qs, recorder, question_id, first)

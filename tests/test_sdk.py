@@ -390,6 +390,27 @@ async def test_a_retried_ask_whose_reply_was_lost_creates_one_question(live: Liv
     assert not q.created  # the second try found the question the first one made
 
 
+async def test_a_retried_answer_and_cancel_whose_replies_were_lost_report_applied(
+    live: Live, alice: AsyncClient
+) -> None:
+    async with (
+        proxy_to(live.url, r"/(answer|cancel)$", ["lose", "forward", "lose"]) as (url, proxy),
+        AsyncClient(url, live.agent, retry=FAST) as agent,
+        AsyncClient(url, live.alice, retry=FAST) as alice_via_proxy,
+    ):
+        answered = await agent.ask("Deploy?", ["deploy", "abort"], to=User("alice"), timeout="10m")
+        outcome = await alice_via_proxy.answer(answered.id, "deploy")
+        cancelled = await agent.ask("Rotate?", ["yes", "no"], to=User("alice"), timeout="10m")
+        withdrawn = await cancelled.cancel("not needed")
+    assert [s.rsplit(" ", 1)[1] for s in proxy.seen if "/answer" in s] == ["lose", "forward"]
+    assert [s.rsplit(" ", 1)[1] for s in proxy.seen if "/cancel" in s] == ["lose", "forward"]
+    assert outcome.applied  # the first try answered; the retry is told so, not "someone else"
+    assert outcome.question.answer is not None
+    assert outcome.question.answer.responder == "alice"
+    assert withdrawn.applied
+    assert (await alice.get(cancelled.id)).state == "cancelled"
+
+
 async def test_the_same_idempotency_key_returns_the_same_question(agent: AsyncClient) -> None:
     first = await agent.ask("Once?", ["yes", "no"], to=User("alice"), timeout=60, idempotency_key="k-1")
     again = await agent.ask("Once?", ["yes", "no"], to=User("alice"), timeout=60, idempotency_key="k-1")

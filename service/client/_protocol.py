@@ -268,13 +268,17 @@ def wait_many_call(ids: Sequence[str], mode: str, seconds: float) -> Call:
     return Call("POST", "/v1/questions/wait", body=body, long_poll=seconds)
 
 
+# Answer and cancel carry a key of their own too: a retry after a lost reply is then told
+# `applied` when the first try made the transition, instead of looking like someone else's.
 def answer_call(question_id: str, option: str) -> Call:
-    return Call("POST", question_path(question_id, "answer"), body={"option": option})
+    key = {"Idempotency-Key": new_idempotency_key()}
+    return Call("POST", question_path(question_id, "answer"), body={"option": option}, headers=key)
 
 
 def cancel_call(question_id: str, reason: str | None) -> Call:
     body = None if reason is None else {"reason": reason}
-    return Call("POST", question_path(question_id, "cancel"), body=body)
+    key = {"Idempotency-Key": new_idempotency_key()}
+    return Call("POST", question_path(question_id, "cancel"), body=body, headers=key)
 
 
 def list_call(

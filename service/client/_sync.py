@@ -58,7 +58,8 @@ class Client:
     `url` and `token` default to the QS_URL and QS_TOKEN environment variables. Replies come as
     msgpack unless `wire="json"`. Every call retries connection failures and 5xx replies with
     `retry` (see `Retry`); `ask` sends one idempotency key on every try, so a retry never
-    creates a second question. Use it as `with Client() as client:` or call `close()`.
+    creates a second question; `answer` and `cancel` do too, so a retry whose first try
+    applied still reports `applied`. Use it as `with Client() as client:` or call `close()`.
     """
 
     def __init__(

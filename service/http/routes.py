@@ -133,14 +133,20 @@ async def list_questions(request: web.Request) -> web.Response:
 
 async def answer(request: web.Request) -> web.Response:
     body = bodies.convert(await read_body(request), bodies.Answer)
-    outcome = await request.app[QUESTIONS].answer(request[PRINCIPAL], request.match_info["id"], body.option)
+    key = idempotency_key(request)
+    outcome = await request.app[QUESTIONS].answer(
+        request[PRINCIPAL], request.match_info["id"], body.option, key
+    )
     note(request, outcome="applied" if outcome.applied else "stale")
     return respond(request, outcome_reply(outcome))
 
 
 async def cancel(request: web.Request) -> web.Response:
     body = bodies.convert(await read_body(request, optional=True), bodies.Cancel)
-    outcome = await request.app[QUESTIONS].cancel(request[PRINCIPAL], request.match_info["id"], body.reason)
+    key = idempotency_key(request)
+    outcome = await request.app[QUESTIONS].cancel(
+        request[PRINCIPAL], request.match_info["id"], body.reason, key
+    )
     note(request, outcome="applied" if outcome.applied else "stale")
     return respond(request, outcome_reply(outcome))
 
@@ -346,7 +352,8 @@ async def act(request: web.Request) -> web.Response:
         question = await questions.get(user, claim.question)
         raise ActionUsed("each action link answers once; this one already did", question=question.envelope())
     try:
-        outcome = await questions.answer(user, claim.question, claim.option)
+        # Keyed by the link: a retry of a tap whose reply was lost is told it applied.
+        outcome = await questions.answer(user, claim.question, claim.option, "action:" + token)
     except Exception:
         await actions.release(claim, token)
         raise

@@ -33,7 +33,7 @@ from service.keys import BUCKETS, Keys, bucket_of
 from service.redis_client import RETRIES
 from service.scripts import Code, Fields, LuaScript, Reply, Scripts, pairs_to_fields
 from service.settings import Settings
-from service.store import QuestionStore
+from service.store import QuestionStore, new_call_id
 from tests.api import Api
 from tests.conftest import ADMIN_TOKEN, close_client, start_client
 from tests.conftest import test_settings as settings_for
@@ -840,7 +840,7 @@ async def captured_answers(
     shadow = copy.copy(store)
     shadow.scripts = capturing  # type: ignore[assignment]
     for question_id in ids:
-        await shadow.answer(question_id, responder, option, [])
+        await shadow.answer(question_id, responder, option, [], new_call_id())
     return capturing.calls
 
 

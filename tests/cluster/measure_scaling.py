@@ -20,7 +20,7 @@ from service.keys import BUCKETS
 from service.redis_client import connect
 from service.scripts import Scripts
 from service.settings import Settings
-from service.store import QuestionStore
+from service.store import QuestionStore, new_call_id
 from tests.cluster.cluster_server import ClusterServer, command
 from tests.helpers_reliability import new_question
 from tests.redis_server import RedisServer
@@ -44,7 +44,7 @@ async def drive(url: str, prefix: str, seconds: float) -> int:
             created = await store.create(new_question(), None)
             assert created.fields is not None
             question_id = created.fields["id"]
-            await store.answer(question_id, "alice", "yes", [])
+            await store.answer(question_id, "alice", "yes", [], new_call_id())
             await store.read(question_id)
             done += 3
 
