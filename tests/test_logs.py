@@ -14,6 +14,8 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -173,63 +175,64 @@ def test_configure_logging_honours_format_and_level() -> None:
 
 
 async def test_serve_writes_json_lines_to_stderr(settings: Settings) -> None:
-    port = free_port()
-    env = {
-        **os.environ,
-        "QS_REDIS_URL": settings.redis_url,
-        "QS_KEY_PREFIX": settings.key_prefix,
-        "QS_PORT": str(port),
-        "QS_ACCESS_LOG": "true",
-        "QS_ADMIN_TOKEN": ADMIN_TOKEN,
-    }
-    env.pop("QS_LOG_FORMAT", None)
-    process = start_serve(env)
-    try:
-        async with aiohttp.ClientSession() as session:
-            await wait_until_serving(session, port)
-            headers = {"Authorization": f"Bearer {ADMIN_TOKEN}", "X-Request-Id": "from-test"}
-            async with session.get(f"http://127.0.0.1:{port}/v1/admin/rooms/none", headers=headers) as r:
-                assert r.status == 404
-    finally:
-        process.terminate()
-        _, stderr = process.communicate(timeout=20)
-    lines = [json.loads(line) for line in stderr.splitlines() if line.strip()]
-    (line,) = [x for x in lines if x.get("request_id") == "from-test"]
+    async with serving(settings, QS_ACCESS_LOG="true") as served, aiohttp.ClientSession() as session:
+        headers = {"Authorization": f"Bearer {ADMIN_TOKEN}", "X-Request-Id": "from-test"}
+        url = f"http://127.0.0.1:{served.port}/v1/admin/rooms/none"
+        async with session.get(url, headers=headers) as r:
+            assert r.status == 404
+    (line,) = [x for x in served.lines() if x.get("request_id") == "from-test"]
     assert line["principal"] == "admin"
     assert line["status"] == 404
     assert line["outcome"] == "not-found"
-    assert ADMIN_TOKEN not in stderr
+    assert ADMIN_TOKEN not in served.stderr
 
 
 async def test_an_unreadable_request_is_one_warning_line_without_a_traceback(settings: Settings) -> None:
-    port = free_port()
-    env = {
-        **os.environ,
-        "QS_REDIS_URL": settings.redis_url,
-        "QS_KEY_PREFIX": settings.key_prefix,
-        "QS_PORT": str(port),
-        "QS_ADMIN_TOKEN": ADMIN_TOKEN,
-    }
-    env.pop("QS_LOG_FORMAT", None)
-    process = start_serve(env)
-    try:
-        async with aiohttp.ClientSession() as session:
-            await wait_until_serving(session, port)
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    async with serving(settings) as served:
+        reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
         writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n")
         status_line = await reader.readline()
         writer.close()
         await writer.wait_closed()
-        assert status_line.startswith(b"HTTP/1.0 400") or status_line.startswith(b"HTTP/1.1 400")
-    finally:
-        process.terminate()
-        _, stderr = process.communicate(timeout=20)
-    lines = [json.loads(line) for line in stderr.splitlines() if line.strip()]
-    (line,) = [x for x in lines if x["logger"] == "aiohttp.server"]
+    assert status_line.split(b" ", 2)[1] == b"400"
+    (line,) = [x for x in served.lines() if x["logger"] == "aiohttp.server"]
     assert line["level"] == "WARNING"
     assert "unreadable HTTP request, answered 400" in line["msg"]
     assert "exc" not in line
     assert len(line["msg"]) < 400
+
+
+@dataclass
+class Served:
+    port: int
+    stderr: str = ""
+
+    def lines(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.stderr.splitlines() if line.strip()]
+
+
+@asynccontextmanager
+async def serving(settings: Settings, **env: str) -> AsyncIterator[Served]:
+    """`python -m service serve` with the default log format, on a free port; its stderr is
+    on the Served once the block ends."""
+    served = Served(free_port())
+    environment = {
+        **os.environ,
+        "QS_REDIS_URL": settings.redis_url,
+        "QS_KEY_PREFIX": settings.key_prefix,
+        "QS_PORT": str(served.port),
+        "QS_ADMIN_TOKEN": ADMIN_TOKEN,
+        **env,
+    }
+    environment.pop("QS_LOG_FORMAT", None)
+    process = start_serve(environment)
+    try:
+        async with aiohttp.ClientSession() as session:
+            await wait_until_serving(session, served.port)
+        yield served
+    finally:
+        process.terminate()
+        _, served.stderr = process.communicate(timeout=20)
 
 
 def start_serve(env: dict[str, str]) -> subprocess.Popen[str]:

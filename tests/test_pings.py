@@ -96,6 +96,13 @@ async def put_channel(
     return result
 
 
+async def agent_and_alice_with_a_phone(api: Api, receivers: RecordingReceiver) -> str:
+    """The asking agent's token, with alice registered and her ntfy channel on the receiver."""
+    alice = await api.principal("alice", "user")
+    await put_channel(api, alice, "phone", {"kind": "ntfy", "url": f"{receivers.base}/ntfy"})
+    return await api.principal("deploybot", "agent")
+
+
 async def post_action(api: Api, url: str) -> Any:
     path = url.split("127.0.0.1", 1)[1].split("/", 1)[1]
     return await api.call("POST", "/" + path)
@@ -203,9 +210,7 @@ async def test_replayed_and_forged_action_links_are_refused_and_change_nothing(
     service: tuple[Api, Settings], receivers: RecordingReceiver
 ) -> None:
     api, _ = service
-    alice = await api.principal("alice", "user")
-    agent = await api.principal("deploybot", "agent")
-    await put_channel(api, alice, "phone", {"kind": "ntfy", "url": f"{receivers.base}/ntfy"})
+    agent = await agent_and_alice_with_a_phone(api, receivers)
     first = await api.ask(agent, {"user": "alice"})
     second = await api.ask(agent, {"user": "alice"})
     hits = await receivers.at("/ntfy", 2)
@@ -237,9 +242,7 @@ async def test_a_tap_whose_answer_failed_on_a_redis_error_can_be_tapped_again(
     service: tuple[Api, Settings], receivers: RecordingReceiver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     api, _ = service
-    alice = await api.principal("alice", "user")
-    agent = await api.principal("deploybot", "agent")
-    await put_channel(api, alice, "phone", {"kind": "ntfy", "url": f"{receivers.base}/ntfy"})
+    agent = await agent_and_alice_with_a_phone(api, receivers)
     question = await api.ask(agent, {"user": "alice"})
     yes = ACTION_URL.findall((await receivers.at("/ntfy", 1))[0].headers["Actions"])[0]
     questions = api.client.app[QUESTIONS]  # type: ignore[index]
