@@ -336,6 +336,8 @@ class DeliverySender:
         self.poll_seconds = poll_seconds
         self.session: aiohttp.ClientSession | None = None
         self.limit = asyncio.Semaphore(SEND_CONCURRENCY)
+        self.claim_budget = claim_budget(lease_seconds, timeout)
+        self._first_bucket = 0
         self.sent = 0
         # (target kind webhook|ping, outcome delivered|retry|dead) -> attempts, for /metrics
         self.attempts: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -356,9 +358,18 @@ class DeliverySender:
                 await asyncio.sleep(self.poll_seconds)
 
     async def send_due(self) -> int:
-        """One pass over every bucket: send what is due; the number sent."""
-        batches = [await self.deliveries.claim(b, self.lease_ms) for b in range(BUCKETS)]
-        due = [d for batch in batches for d in batch if d.status == "pending"]
+        """One pass: claim what is due, up to the claim budget, bucket after bucket (starting one
+        bucket further each pass, so a busy bucket cannot starve the others); send it; the
+        number sent."""
+        claimed: list[Delivery] = []
+        for i in range(BUCKETS):
+            budget = self.claim_budget - len(claimed)
+            if budget <= 0:
+                break
+            b = (self._first_bucket + i) % BUCKETS
+            claimed += await self.deliveries.claim(b, self.lease_ms, min(budget, CLAIM_BATCH))
+        self._first_bucket = (self._first_bucket + 1) % BUCKETS
+        due = [d for d in claimed if d.status == "pending"]
         await asyncio.gather(*(self._send(d) for d in due))
         return len(due)
 
@@ -424,6 +435,14 @@ class DeliverySender:
             timeout=self.timeout,
         )
         return attempt, False
+
+
+def claim_budget(lease_seconds: float, timeout: float) -> int:
+    """How many deliveries one pass may claim so that every one is sent and recorded before its
+    lease runs out (else another sender sends it too): as many rounds of SEND_CONCURRENCY
+    attempts, each up to `timeout`, as fit in the lease with one round to spare."""
+    rounds = max(1, int(lease_seconds // timeout) - 1)
+    return SEND_CONCURRENCY * rounds
 
 
 class DeliveryWorkers:

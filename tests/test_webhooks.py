@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -17,7 +18,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 from standardwebhooks.webhooks import Webhook as Verifier
 
-from service.http.appkeys import REDIS
+from service.http.appkeys import DELIVERY_WORKERS, REDIS
+from service.keys import BUCKETS, new_question_id
 from service.outbound import AddressRefused, GuardedResolver, OutboundPolicy, parse_nets
 from service.settings import Settings
 from tests.api import Api
@@ -440,3 +442,34 @@ async def test_deliveries_go_on_after_script_flush(
     await answered_question(api, agent)
     delivery = await settled(api, agent, hook["id"], "delivered")
     assert delivery["attempts"] == 1
+
+
+async def test_a_sender_claims_no_more_than_it_can_send_before_their_leases_run_out(
+    api_with: Callable[..., Awaitable[Api]], redis_server: RedisServer, receiver: RecordingReceiver
+) -> None:
+    """A claimed delivery must be sent and recorded within its lease, or another sender sends it
+    too. With 32 sends at once, 1 s per attempt at worst and a 3 s lease, one pass may take 64
+    (two rounds, leaving one round for the records); the rest stay due for any sender."""
+    settings = test_settings(
+        redis_server.url,
+        **{**FAST, "run_delivery": False, "webhook_timeout_seconds": 1.0, "delivery_lease_seconds": 3.0},
+    )
+    api = await api_with(settings)
+    agent = await api.principal("deploybot", "agent")
+    hook = await register(api, agent, receiver.url, ["question.created"])
+    workers = api.client.app[DELIVERY_WORKERS]  # type: ignore[index]
+    for n in range(100):
+        event = {"id": new_question_id(n % BUCKETS), "type": "question.created"}
+        assert await workers.store.enqueue(event, hook["id"], receiver.url, "{}", f"msg_{n:032x}")
+
+    sent = await workers.sender.send_due()
+
+    assert sent == 64
+    assert len(receiver.hits) == 64
+    redis = api.client.app[REDIS]  # type: ignore[index]
+    now_ms = int(time.time() * 1000) + 1000  # a margin for the clocks: nothing sent is due again
+    still_due = [
+        len(await redis.zrange(workers.store.keys.deliveries_due(b), "-inf", now_ms, byscore=True))
+        for b in range(BUCKETS)
+    ]
+    assert sum(still_due) == 36
