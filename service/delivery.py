@@ -135,26 +135,34 @@ class DeliveryStore:
         self.keys = keys
         self.retention_ms = retention_ms
 
-    async def enqueue(self, event: dict[str, str], hook_id: str, url: str, body: str, did: str) -> bool:
+    async def enqueue_many(
+        self, event: dict[str, str], targets: Sequence[tuple[str, str, str, str]]
+    ) -> list[bool]:
+        """One delivery record per (target, url, body, delivery id) of one event, in one batch;
+        whether each was new (False: a fan-out re-run had made it)."""
         b = bucket_of(event["id"])
-        reply = await self.scripts.call(
-            "deliver_enqueue",
-            {
-                "delivery": self.keys.delivery(b, did),
-                "due": self.keys.deliveries_due(b),
-                "endpoint index": self.keys.webhook_deliveries(b, hook_id or "-"),
-            },
-            {
-                "id": did,
-                "webhook": hook_id,
-                "url": url,
-                "type": event["type"],
-                "question": event["id"],
-                "body": body,
-                "index cap": INDEX_CAP,
-            },
-        )
-        return reply.code is Code.CREATED
+        calls = [self._enqueue_call(b, event, *target) for target in targets]
+        replies = await self.scripts.call_many("deliver_enqueue", calls)
+        return [reply.code is Code.CREATED for reply in replies]
+
+    def _enqueue_call(
+        self, b: int, event: dict[str, str], hook_id: str, url: str, body: str, did: str
+    ) -> tuple[dict[str, str], dict[str, str | int]]:
+        keys = {
+            "delivery": self.keys.delivery(b, did),
+            "due": self.keys.deliveries_due(b),
+            "endpoint index": self.keys.webhook_deliveries(b, hook_id or "-"),
+        }
+        args: dict[str, str | int] = {
+            "id": did,
+            "webhook": hook_id,
+            "url": url,
+            "type": event["type"],
+            "question": event["id"],
+            "body": body,
+            "index cap": INDEX_CAP,
+        }
+        return keys, args
 
     async def claim(self, b: int, lease_ms: int, count: int = CLAIM_BATCH) -> list[Delivery]:
         reply = await self.scripts.call(
@@ -284,12 +292,14 @@ class OutboxFanout(OutboxConsumer):
         targets = [(h.id, h.url) for h in await self.registry.subscribed(question["asker"], event["type"])]
         if question.get("hook_url") and event["type"] != "question.created":
             targets.append((f"q:{question['id']}", question["hook_url"]))
+        records = []
         if targets:
             body = webhook_body(event["type"], int(entry_id.split("-")[0]), envelope(question))
-            for target, url in targets:
-                await self.deliveries.enqueue(event, target, url, body, delivery_id(entry_id, target))
-        for ref in await self._ping_refs(event["type"], question):
-            await self.deliveries.enqueue(event, ref, "", "", delivery_id(entry_id, ref))
+            records = [(target, url, body, delivery_id(entry_id, target)) for target, url in targets]
+        refs = await self._ping_refs(event["type"], question)
+        records += [(ref, "", "", delivery_id(entry_id, ref)) for ref in refs]
+        if records:
+            await self.deliveries.enqueue_many(event, records)
 
     async def _ping_refs(self, event_type: str, question: dict[str, str]) -> list[str]:
         """The channels to Ping: on creation, every channel of every target user (remembered);
@@ -302,7 +312,7 @@ class OutboxFanout(OutboxConsumer):
             users = sorted(
                 str(u) for u in await self.redis.smembers(self.keys.room_members(question["to_id"]))
             )
-        refs = [channel.ref for user in users for channel in await self.pings.channels.of_user(user)]
+        refs = [channel.ref for channel in await self.pings.channels.of_users(users)]
         if refs:
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.sadd(pinged, *refs)

@@ -460,7 +460,8 @@ async def test_a_sender_claims_no_more_than_it_can_send_before_their_leases_run_
     workers = api.client.app[DELIVERY_WORKERS]  # type: ignore[index]
     for n in range(100):
         event = {"id": new_question_id(n % BUCKETS), "type": "question.created"}
-        assert await workers.store.enqueue(event, hook["id"], receiver.url, "{}", f"msg_{n:032x}")
+        record = (hook["id"], receiver.url, "{}", f"msg_{n:032x}")
+        assert await workers.store.enqueue_many(event, [record]) == [True]
 
     sent = await workers.sender.send_due()
 
