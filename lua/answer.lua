@@ -24,7 +24,9 @@
     ARGV[8] publish          'PUBLISH', or 'SPUBLISH' on a Redis Cluster (sharded pub/sub)
 
   Output:
-    {'applied', fields}      this call answered the question (also on a re-run of this call)
+    {'applied', fields}      this call answered the question
+    {'applied', fields, 'again'}  a re-run of the call that did (same call id: a client retry,
+                             or the same request sent again with its Idempotency-Key)
     {'stale', fields}        already terminal
     {'stale', fields, 'expired_now'}  the deadline has passed: this call expired it
     {'not_found'}            no such question

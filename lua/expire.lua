@@ -23,7 +23,9 @@
     ARGV[6] publish          'PUBLISH', or 'SPUBLISH' on a Redis Cluster (sharded pub/sub)
 
   Output:
-    {'applied', fields?}     this call expired the question (also on a re-run of this call)
+    {'applied', fields?}     this call expired the question
+    {'applied', fields, 'again'}  a re-run of the call that did (a client retry); without fields
+                             (ARGV[5] '0') the marker is dropped with them
     {'stale', fields?}       already terminal
     {'pending', fields?}     still pending: its deadline has not passed
     {'not_found'}            no such question (never created, or removed after retention); its

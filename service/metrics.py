@@ -205,6 +205,9 @@ class Metrics:
         if kind is None:
             return
         code = reply.code.value
+        if reply.again:  # its first run was counted; this one only reports it again
+            self._outcomes[(kind, "replayed")] += 1
+            return
         if name == "expire":
             if code == "applied":
                 self._outcomes[(kind, "applied")] += 1

@@ -70,6 +70,7 @@ class Reply:
     fields: Fields | None = None
     value: str | None = None
     expired_now: bool = False  # a late answer or cancel expired the question itself
+    again: bool = False  # a re-run of the call that made the transition reports it again
 
 
 def interpret(raw: Any) -> Reply:
@@ -81,7 +82,9 @@ def interpret(raw: Any) -> Reply:
         return Reply(code)
     payload = raw[1]
     if isinstance(payload, list):
-        return Reply(code, fields=pairs_to_fields(payload), expired_now=raw[2:] == ["expired_now"])
+        note = raw[2] if len(raw) > 2 else None
+        fields = pairs_to_fields(payload)
+        return Reply(code, fields=fields, expired_now=note == "expired_now", again=note == "again")
     return Reply(code, value=str(payload))
 
 

@@ -99,6 +99,20 @@ async def test_an_answer_adds_one_applied_answered_transition(api: Api) -> None:
     assert value(after, "qs_transitions_total", kind="created", result="applied") >= 1
 
 
+async def test_an_answer_sent_again_with_its_key_counts_as_replayed_not_as_a_second_applied(api: Api) -> None:
+    agent, alice = await people(api)
+    question = await api.ask(agent, {"user": "alice"})
+    path, key = f"/v1/questions/{question['id']}/answer", {"Idempotency-Key": "tap-7"}
+    before = await scrape(api.client)
+    for _ in range(3):
+        reply = await api.call("POST", path, alice, {"option": "yes"}, headers=key)
+        assert reply.body["applied"] is True
+    after = await scrape(api.client)
+    for result, added in (("applied", 1), ("replayed", 2), ("stale", 0)):
+        name, labels = "qs_transitions_total", {"kind": "answered", "result": result}
+        assert value(after, name, **labels) - value(before, name, **labels) == added, result
+
+
 async def test_cache_entries_count_each_question_the_process_remembers(api: Api) -> None:
     agent, alice = await people(api)
     before = await scrape(api.client)

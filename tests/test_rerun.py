@@ -102,6 +102,8 @@ async def test_answer_rerun_with_the_same_call_id_reports_applied_and_changes_no
     second, before, after, published = await run_twice(redis, qs, recorder, question_id, first)
 
     assert second.code is Code.APPLIED
+    assert second.again
+    assert not first.again
     assert after == before
     assert published == 0
     assert first.fields is not None
@@ -125,6 +127,8 @@ async def test_cancel_rerun_with_the_same_call_id_reports_applied_and_changes_no
     second, before, after, published = await run_twice(redis, qs, recorder, question_id, first)
 
     assert second.code is Code.APPLIED
+    assert second.again
+    assert not first.again
     assert after == before
     assert published == 0
     assert first.fields is not None
@@ -154,6 +158,8 @@ async def test_expire_rerun_with_the_same_call_id_reports_applied_and_changes_no
     second, before, after, published = await run_twice(redis, qs, recorder, question_id, first)
 
     assert second.code is Code.APPLIED
+    assert second.again
+    assert not first.again
     assert after == before
     assert published == 0
     stats = await stats_totals(redis, qs.keys.prefix)
