@@ -25,7 +25,6 @@ from typing import Any
 
 import msgspec
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from service.backoff import Backoff, stop_tasks
 from service.keys import Keys
@@ -111,6 +110,7 @@ class EventRelay(OutboxConsumer):
 
 
 QUEUE_LIMIT = 1000
+_Entry = tuple[str, tuple[int, int], "Event | None"]  # a stream entry's id, its position, its event
 
 
 @dataclass(eq=False)
@@ -179,14 +179,13 @@ class EventHub:
             }
             try:
                 found: Any = await self._read(positions)
+                backoff.succeeded()
+                for stream, entries in found or []:
+                    self._dispatch(str(stream), entries, read_after=positions[stream])
             except asyncio.CancelledError:
                 raise
-            except RedisError as exc:
+            except Exception as exc:  # a RedisError, or an entry the hub cannot read
                 await backoff.failed(exc)
-                continue
-            backoff.succeeded()
-            for stream, entries in found or []:
-                self._dispatch(str(stream), entries)
 
     async def _read(self, positions: dict[Any, Any]) -> Any:
         if not is_cluster(self.redis):
@@ -208,19 +207,35 @@ class EventHub:
             await asyncio.sleep(self.block_ms / 1000)  # a poll: BLOCK cannot span slots
         return found
 
-    def _dispatch(self, stream: str, entries: Sequence[tuple[str, dict[str, Any]]]) -> None:
+    def _dispatch(self, stream: str, entries: Sequence[tuple[str, dict[str, Any]]], read_after: str) -> None:
+        """`entries` are those after `read_after`. A subscriber that joined during the read from
+        an older position (a second tab, a reconnect while the old connection is held) is left for
+        the next read, which starts at its position: given these, it would skip its backlog."""
+        start = stream_id(read_after)
+        events = [(i, stream_id(i), _event(stream, i, fields)) for i, fields in entries]
         for subscriber in list(self._subscribers.get(stream, ())):
-            for entry_id, fields in entries:
-                if stream_id(entry_id) <= stream_id(subscriber.position):
-                    continue
-                if subscriber.queue.qsize() >= QUEUE_LIMIT:
-                    # Too slow a reader: end its stream; it resumes with Last-Event-ID.
-                    self.unsubscribe(subscriber)
-                    subscriber.queue.put_nowait(None)
-                    break
-                subscriber.queue.put_nowait(_event(entry_id, fields))
-                subscriber.position = entry_id
+            if stream_id(subscriber.position) < start:
+                continue
+            self._deliver(subscriber, events)
+
+    def _deliver(self, subscriber: _Subscriber, events: list[_Entry]) -> None:
+        after = stream_id(subscriber.position)
+        for entry_id, position, event in events:
+            if position <= after:
+                continue
+            if subscriber.queue.qsize() >= QUEUE_LIMIT:
+                # Too slow a reader: end its stream; it resumes with Last-Event-ID.
+                self.unsubscribe(subscriber)
+                subscriber.queue.put_nowait(None)
+                return
+            if event is not None:
+                subscriber.queue.put_nowait(event)
+            subscriber.position = entry_id
 
 
-def _event(entry_id: str, fields: dict[str, Any]) -> Event:
+def _event(stream: str, entry_id: str, fields: dict[str, Any]) -> Event | None:
+    """The entry as an event; None (logged, and passed over) for one the relay did not write."""
+    if "type" not in fields or "data" not in fields:
+        log.warning("stream %s entry %s is not an event (%s): skipped", stream, entry_id, sorted(fields))
+        return None
     return Event(str(entry_id), str(fields["type"]), str(fields["data"]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from aiohttp.test_utils import TestClient
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from service.events import GROUP, EventRelay
+from service.events import GROUP, EventHub, EventRelay
 from service.keys import Keys
 from tests.api import Api
 from tests.conftest import ADMIN_TOKEN, start_client, test_settings
@@ -235,3 +236,60 @@ async def test_a_failed_append_leaves_the_whole_read_unacknowledged(no_relay: No
 
     for outbox, entries in taken.items():
         assert (await redis.xpending(outbox, GROUP))["pending"] == len(entries)
+
+
+async def until_blocked_in_xread(redis: Redis, client_name: str) -> None:
+    async with asyncio.timeout(5):
+        while True:
+            clients = await redis.client_list()
+            if any(c.get("name") == client_name and c.get("cmd") == "xread" for c in clients):
+                return
+            await asyncio.sleep(0.01)
+
+
+async def drain(subscriber: Any, count: int) -> list[str]:
+    async with asyncio.timeout(5):
+        return [(await subscriber.queue.get()).id for _ in range(count)]
+
+
+async def test_a_resume_joining_during_a_live_read_still_gets_its_whole_backlog(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    """A second tab (or a reconnect while the old connection is held) resumes from an older id
+    while the hub is blocked reading for the first: it must get the backlog, not only new events."""
+    keys = Keys(f"t{uuid.uuid4().hex[:12]}")
+    stream_key = keys.events("alice")
+    backlog = [await redis.xadd(stream_key, {"type": "question.created", "data": "{}"}) for _ in range(3)]
+    name = f"hub-{uuid.uuid4().hex[:8]}"
+    blocking = Redis.from_url(redis_server.url, decode_responses=True, client_name=name)
+    hub = EventHub(redis, keys, block_ms=3000, blocking=blocking)
+    await hub.start()
+    try:
+        live = hub.subscribe("alice", backlog[-1])
+        await until_blocked_in_xread(redis, name)
+        resumed = hub.subscribe("alice", "0-0")
+        new = await redis.xadd(stream_key, {"type": "question.resolved", "data": "{}"})
+        assert await drain(live, 1) == [new]
+        assert await drain(resumed, 4) == [*backlog, new]
+    finally:
+        await hub.stop()
+        await blocking.aclose()
+
+
+async def test_a_stream_entry_that_is_not_an_event_is_passed_over_not_fatal(
+    redis_server: RedisServer, redis: Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    keys = Keys(f"t{uuid.uuid4().hex[:12]}")
+    stream_key = keys.events("alice")
+    hub = EventHub(redis, keys, block_ms=100)
+    await hub.start()
+    try:
+        subscriber = hub.subscribe("alice", "0-0")
+        await redis.xadd(stream_key, {"written by": "an operator"})
+        event = await redis.xadd(stream_key, {"type": "question.created", "data": "{}"})
+        assert await drain(subscriber, 1) == [event]
+        later = await redis.xadd(stream_key, {"type": "question.resolved", "data": "{}"})
+        assert await drain(subscriber, 1) == [later]
+    finally:
+        await hub.stop()
+    assert "is not an event" in caplog.text
