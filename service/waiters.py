@@ -256,19 +256,33 @@ class Waiters:
             return
         try:
             if self._pubsub.connection is None:
-                async with self._connect_lock:
-                    await self._pubsub.connect()  # type: ignore[no-untyped-call]
-                    self._adopt_connection()
+                await self._connect()
             await self._pubsub.subscribe(*(channel for channel, _ in fresh))
         except BaseException as exc:
-            for _, entry in fresh:
-                entry.pending_subscribes -= 1
+            self._subscribe_failed(fresh)
             if isinstance(exc, AttributeError | RuntimeError):
                 # redis-py's reconnect racing the reader's (see _unsubscribe): the connection
                 # died under the SUBSCRIBE. An outage (503) for this caller, not a 500.
                 raise RedisConnectionError(f"pub/sub connection lost while subscribing: {exc!r}") from exc
             raise
         self._connected.set()
+
+    async def _connect(self) -> None:
+        async with self._connect_lock:
+            if self._pubsub.connection is None:  # not connected by the request before us
+                await self._pubsub.connect()  # type: ignore[no-untyped-call]
+                self._adopt_connection()
+
+    def _subscribe_failed(self, fresh: Sequence[tuple[str, _Channel]]) -> None:
+        """A SUBSCRIBE that did not go through (its request went away, or the connection died).
+        Requests that joined its channels meanwhile await its confirmation: release them, and
+        subscribe again for them. That confirmation is one nobody asked for, so it re-reads:
+        a publish before it is not lost."""
+        for channel, entry in fresh:
+            entry.pending_subscribes -= 1
+            if entry.pending_subscribes == 0 and entry.ready is not None:
+                entry.confirmed()
+                self._spawn(self._resubscribe(channel))
 
     async def _ssubscribe(self, fresh: Sequence[tuple[str, _Channel]]) -> None:
         """Cluster: one SSUBSCRIBE per channel, each on the connection to its slot's primary; a
@@ -340,7 +354,15 @@ class Waiters:
                 continue
             backoff.succeeded()
             if message is not None:
-                self._dispatch(message)
+                self._dispatch_one(message)
+
+    def _dispatch_one(self, message: dict[str, Any]) -> None:
+        """Anything may PUBLISH on a question channel (an operator's redis-cli, an older
+        release's script): a message this reader cannot read must not end it for every waiter."""
+        try:
+            self._dispatch(message)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # DecodeError: a ValueError
+            log.warning("pub/sub message on %r skipped: %r", message.get("channel"), exc)
 
     async def _next_message(self) -> dict[str, Any] | None:
         if self._sharded is None:
@@ -394,6 +416,9 @@ class Waiters:
             self._channels.pop(channel, None)
 
     async def _resubscribe(self, channel: str) -> None:
+        entry = self._channels.get(channel)
+        if entry is None or not entry.futures:
+            return  # nobody waits on it any more
         try:
             if self._sharded is not None and self._cluster is not None:
                 sharded = self._sharded

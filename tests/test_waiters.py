@@ -416,3 +416,60 @@ async def test_racing_reconnects_of_the_pubsub_connection_leave_no_socket_open_b
         woken = await wait
     assert woken is not None
     assert woken.state.value == "answered"
+
+
+async def test_a_waiter_joining_a_subscribe_whose_caller_went_away_is_still_woken(
+    long_wait_client: TestClient[object, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first waiter on a channel sends its SUBSCRIBE; a second joins and awaits that
+    confirmation. When the first request goes away mid-SUBSCRIBE (its client hung up), the
+    second must neither sit out its timeout on a confirmation nobody will give nor park on a
+    channel nobody subscribed."""
+    client = long_wait_client
+    api = Api(client, ADMIN_TOKEN)
+    waiters = client.server.app[WAITERS]
+    agent = await api.principal("agent", "agent")
+    alice = await api.principal("alice", "user")
+    await waiters.wait((await api.ask(agent, {"user": "alice"}))["id"], 0.01)  # connected
+    question_id = (await api.ask(agent, {"user": "alice"}))["id"]
+    plain_subscribe = waiters._pubsub.subscribe
+    sent = asyncio.Event()
+
+    async def unanswered_subscribe(*channels: str) -> None:
+        sent.set()
+        await asyncio.Event().wait()  # Redis slow to reply; only the cancel ends it
+
+    monkeypatch.setattr(waiters._pubsub, "subscribe", unanswered_subscribe)
+    first = asyncio.create_task(waiters.wait(question_id, 30))
+    await asyncio.wait_for(sent.wait(), 5)
+    monkeypatch.setattr(waiters._pubsub, "subscribe", plain_subscribe)
+    second = asyncio.create_task(waiters.wait(question_id, 30))
+    await eventually(lambda: _true(waiters.waiting == 2), within=5, what="both waiting")
+    first.cancel()
+    await eventually(lambda: _true(waiters.confirming == 0), within=5, what="the channel settled")
+    await api.answer(alice, question_id, "yes")
+    async with asyncio.timeout(10):  # woken, not timed out (the wait runs 30 s)
+        woken = await second
+    assert woken is not None
+    assert woken.state.value == "answered"
+
+
+async def test_a_stray_message_on_a_question_channel_does_not_stop_the_waiters(
+    long_wait_client: TestClient[object, object], redis: Redis
+) -> None:
+    """Anything may PUBLISH on a channel (a script of an older release, an operator's redis-cli):
+    a message that is not an envelope is logged and skipped, and every waiter is still woken."""
+    client = long_wait_client
+    api = Api(client, ADMIN_TOKEN)
+    agent = await api.principal("agent", "agent")
+    alice = await api.principal("alice", "user")
+    question_id = (await api.ask(agent, {"user": "alice"}))["id"]
+    channel = client.server.app[STORE].channel(question_id)
+    waiting = asyncio.create_task(api.wait(agent, question_id, 30))
+    await until_waiting(client, 1, [waiting])
+    assert await redis.publish(channel, "not an envelope") == 1
+    await asyncio.sleep(0.2)  # the reader has read it
+    answered = await api.answer(alice, question_id, "yes")
+    async with asyncio.timeout(10):
+        woken = await waiting
+    assert woken.body == answered.body["question"]
