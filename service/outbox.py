@@ -136,9 +136,21 @@ class OutboxConsumer(abc.ABC):
                 await self.consume([(outbox, claimed[1])])
 
 
+# Commands per round trip of run_all. One round trip of a few million (the events of one read for
+# a 10,000-member room) outlived the socket timeout; the client's Retry re-sent all of it, and each
+# re-send appended every event again (four copies, 2026-12-05). A batch this size takes Redis
+# milliseconds.
+RUN_ALL_BATCH = 2_000
+
+
 async def run_all(redis: Redis, commands: Sequence[tuple[Any, ...]]) -> None:
-    """Every command at once, without MULTI; the first error reply fails the call (others may have
-    run: callers send only what is safe to repeat)."""
+    """Every command, without MULTI, in round trips of at most RUN_ALL_BATCH commands; the first
+    error reply fails the call (others may have run: callers send only what is safe to repeat)."""
+    for first in range(0, len(commands), RUN_ALL_BATCH):
+        await _run_batch(redis, commands[first : first + RUN_ALL_BATCH])
+
+
+async def _run_batch(redis: Redis, commands: Sequence[tuple[Any, ...]]) -> None:
     if is_cluster(redis):
         # Outboxes and principals' streams each have a slot of their own: redis-py splits by node.
         async with redis.pipeline(transaction=False) as pipe:

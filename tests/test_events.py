@@ -16,8 +16,10 @@ from aiohttp.test_utils import TestClient
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
+from service import outbox as outbox_module
 from service.events import GROUP, EventHub, EventRelay
 from service.keys import Keys
+from service.outbox import RUN_ALL_BATCH
 from tests.api import Api
 from tests.conftest import ADMIN_TOKEN, start_client, test_settings
 from tests.redis_server import RedisServer
@@ -293,3 +295,33 @@ async def test_a_stream_entry_that_is_not_an_event_is_passed_over_not_fatal(
     finally:
         await hub.stop()
     assert "is not an event" in caplog.text
+
+
+async def test_events_for_a_big_room_are_appended_in_bounded_round_trips(
+    no_relay: NoRelay, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One round trip of every append of a read (millions of commands for a big room) outlived the
+    socket timeout, and each retry appended every event again."""
+    api, redis, keys = no_relay.api, no_relay.redis, no_relay.keys
+    members = [f"m{i}" for i in range(1500)]
+    await api.room("crowd", ["alice"])
+    await redis.sadd(keys.room_members("crowd"), *members)  # 1,500 principals made faster
+    relay = no_relay.relay()
+    await relay.ensure_groups()
+    asked = [await api.ask(no_relay.agent, {"room": "crowd"}) for _ in range(2)]
+    outboxes = {keys.outbox(int(q["id"][0], 16)) for q in asked}
+    taken = await redis.xreadgroup(GROUP, relay.consumer, dict.fromkeys(outboxes, ">"), count=10)
+    sizes: list[int] = []
+    plain_exchange = outbox_module.exchange
+
+    async def recorded(redis: Redis, commands: Any, **kwargs: Any) -> Any:
+        sizes.append(len(commands))
+        return await plain_exchange(redis, commands, **kwargs)
+
+    monkeypatch.setattr(outbox_module, "exchange", recorded)
+    await relay.consume([(outbox, entries) for outbox, entries in taken])
+
+    assert sum(sizes) >= 2 * 2 * len(members)  # an XADD and an EXPIRE per recipient and event
+    assert max(sizes) <= RUN_ALL_BATCH
+    for member in ("m0", "m777", "m1499"):
+        assert await redis.xlen(keys.events(member)) == 2
