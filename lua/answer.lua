@@ -40,11 +40,13 @@
     HINCRBY KEYS[7] answered|expired 1; HINCRBY KEYS[7] stale 1 once per stale call id (SADD KEYS[8] remembers it)
 ]]
 --@include "now_ms"
+--@include "transition_keys"
 --@include "finish"
 --@include "refuse_late_tap"
 --@include "publish_command"
 local publish = publish_command(ARGV[8])
 local now = now_ms()
+local k = transition_keys()
 local q = redis.call('HMGET', KEYS[1], 'state', 'to_kind', 'to_id', 'opt_ids', 'expires_ms', 'tcall')
 if not q[1] then
   return {'not_found'}
@@ -57,9 +59,9 @@ end
 if not string.find(q[4], '|' .. ARGV[3] .. '|', 1, true) then
   return {'unknown_option'}
 end
-local refusal = refuse_late_tap(ARGV[1], q[1], tonumber(q[5]), q[6], ARGV[4], now, ARGV[6], ARGV[7], publish)
+local refusal = refuse_late_tap(k, ARGV[1], q[1], tonumber(q[5]), q[6], ARGV[4], now, ARGV[6], ARGV[7], publish)
 if refusal then
   return refusal
 end
-return {'applied', finish(ARGV[1], 'answered', now,
+return {'applied', finish(k, ARGV[1], 'answered', now,
   {'ans_option', ARGV[3], 'ans_by', ARGV[2], 'ans_ms', now}, ARGV[4], ARGV[6], ARGV[7], publish)}

@@ -38,11 +38,13 @@
     HINCRBY KEYS[7] cancelled|expired 1; HINCRBY KEYS[7] stale 1 once per stale call id (SADD KEYS[8] remembers it)
 ]]
 --@include "now_ms"
+--@include "transition_keys"
 --@include "finish"
 --@include "refuse_late_tap"
 --@include "publish_command"
 local publish = publish_command(ARGV[8])
 local now = now_ms()
+local k = transition_keys()
 local q = redis.call('HMGET', KEYS[1], 'state', 'expires_ms', 'tcall', 'asker')
 if not q[1] then
   return {'not_found'}
@@ -50,9 +52,9 @@ end
 if q[4] ~= ARGV[2] and ARGV[3] ~= '1' then
   return {'not_asker', redis.call('HGETALL', KEYS[1])}
 end
-local refusal = refuse_late_tap(ARGV[1], q[1], tonumber(q[2]), q[3], ARGV[5], now, ARGV[6], ARGV[7], publish)
+local refusal = refuse_late_tap(k, ARGV[1], q[1], tonumber(q[2]), q[3], ARGV[5], now, ARGV[6], ARGV[7], publish)
 if refusal then
   return refusal
 end
-return {'applied', finish(ARGV[1], 'cancelled', now,
+return {'applied', finish(k, ARGV[1], 'cancelled', now,
   {'cancel_by', ARGV[2], 'cancel_reason', ARGV[4]}, ARGV[5], ARGV[6], ARGV[7], publish)}

@@ -38,6 +38,7 @@
     HINCRBY KEYS[7] expired 1
 ]]
 --@include "now_ms"
+--@include "transition_keys"
 --@include "settled"
 --@include "expire_overdue"
 --@include "publish_command"
@@ -52,7 +53,7 @@ local reply
 if q[1] ~= 'pending' then
   reply = settled(q[3], ARGV[2])
 elseif now >= tonumber(q[2]) then
-  reply = {'applied', expire_overdue(ARGV[1], tonumber(q[2]), ARGV[2], ARGV[3], ARGV[4], publish)}
+  reply = {'applied', expire_overdue(transition_keys(), ARGV[1], tonumber(q[2]), ARGV[2], ARGV[3], ARGV[4], publish)}
 else
   reply = {'pending', redis.call('HGETALL', KEYS[1])}
 end

@@ -65,6 +65,9 @@ RESULT = {
     "idempotency_conflict": "refused",
     "bad_deadline": "refused",
 }
+# expire_many's codes: 'stale' is a sweeper or listener that came second; 'pending' and
+# 'not_found' are no transition.
+BATCH_RESULT = {"applied": "applied", "again": "replayed", "stale": "stale"}
 TRANSITION_RESULTS = ("applied", "stale", "replayed", "refused", "not_found", "not_eligible")
 MECHANISMS = ("inline", "notification", "sweep")
 ERROR_KINDS = ("connection", "timeout", "refused", "misuse", "other")
@@ -220,6 +223,17 @@ class Metrics:
             self._outcomes[("expired", "applied")] += 1
             self.inline_expired += 1
         self._outcomes[(kind, RESULT[code])] += 1
+
+    def codes_done(self, name: str, codes: Sequence[str], seconds: float) -> None:
+        """One call of expire_many (the sweeper and the keyspace listener): a code per question."""
+        tally = self._scripts.get(name)
+        if tally is None:
+            tally = self._scripts[name] = _Tally(REDIS_BUCKETS)
+        tally.observe(seconds)
+        for code in codes:
+            result = BATCH_RESULT.get(code)
+            if result is not None:
+                self._outcomes[("expired", result)] += 1
 
     def script_failed(self, name: str, exc: BaseException) -> None:
         self.redis_errors.labels(name, error_kind(exc)).inc()

@@ -13,7 +13,7 @@ import hashlib
 import importlib.resources
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from service.metrics import Metrics
 
 SCRIPT_NAMES = (
-    "create", "answer", "cancel", "expire", "purge",
+    "create", "answer", "cancel", "expire", "expire_many", "purge",
     "deliver_enqueue", "deliver_claim", "deliver_settle", "deliver_replay",
 )  # fmt: skip
 # The transitions that a QS_WAIT_REPLICAS confirmation follows.
@@ -202,6 +202,10 @@ def refusal(name: str, exc: ResponseError) -> Exception:
 # Calls per pipeline of a call_many: big enough to keep per-batch costs small, small enough that
 # Redis starts on the first while Python packs the rest (a 100,000-question sweep: docs/benchmarks.md).
 CHUNK = 1000
+# The same for call_many_variadic, whose calls carry up to EXPIRE_MANY_BATCH items each.
+VARIADIC_CHUNK = 10
+# A variadic call: its named keys and arguments, then its items' keys and arguments.
+VariadicCall = tuple[Mapping[str, str], Mapping[str, str | int], Sequence[str], Sequence[str | int]]
 
 
 class Scripts:
@@ -248,34 +252,64 @@ class Scripts:
     async def call_many(
         self, name: str, calls: Sequence[tuple[Mapping[str, str], Mapping[str, str | int]]]
     ) -> list[Reply]:
-        """Many calls of one script, in pipelines of CHUNK calls: one event-loop turn per chunk
-        lets the coalescer send each chunk while the next is packed, so Redis runs one while
-        Python builds the next (a sweep of 16,000 overdue questions is otherwise one batch that
-        Python packs, then Redis runs, then Python reads, each waiting on the other). Gathering the
-        futures themselves (not a coroutine per call) spares a task per call on sweeps."""
+        """Many calls of one script, each getting its own Reply."""
         started = time.perf_counter()
-        futures: list[asyncio.Future[Any]] = []
-        try:
-            for first in range(0, len(calls), CHUNK):
-                if first:
-                    await asyncio.sleep(0)  # the coalescer flushes the chunk before it
-                futures += [self._submit(name, keys, args) for keys, args in calls[first : first + CHUNK]]
-        except asyncio.CancelledError:
-            for future in futures:  # nobody will read them: no "exception never retrieved"
-                future.cancel()
-            raise
-        try:
-            replies = [interpret(raw) for raw in await asyncio.gather(*futures)]
-        except ResponseError as exc:
-            raise self._failed(name, refusal(name, exc)) from exc
-        except (RedisError, OSError) as exc:
-            self._failed(name, exc)
-            raise
+        raws = await self._submitted(name, len(calls), lambda i: self._submit(name, *calls[i]), CHUNK)
+        replies = [interpret(raw) for raw in raws]
         if self.metrics is not None:
             elapsed = time.perf_counter() - started
             for (_, args), reply in zip(calls, replies, strict=True):
                 self.metrics.script_done(name, args, reply, elapsed)
         return replies
+
+    async def call_many_variadic(self, name: str, calls: Sequence[VariadicCall]) -> list[list[str]]:
+        """Many calls of a script that takes a list of items after its named keys and arguments
+        (expire_many: a question after another); each call's reply is one code per item."""
+        script = self.lua[name]
+
+        def submit(i: int) -> asyncio.Future[Any]:
+            keys, args, more_keys, more_args = calls[i]
+            return self.coalescer.evalsha(
+                script.sha,
+                script.source,
+                [*script.keys(keys), *more_keys],
+                [*script.args(args, self.publish), *more_args],
+            )
+
+        started = time.perf_counter()
+        raws = await self._submitted(name, len(calls), submit, VARIADIC_CHUNK)
+        codes = [[str(code) for code in raw] for raw in raws]
+        if self.metrics is not None:
+            elapsed = time.perf_counter() - started
+            for call_codes in codes:
+                self.metrics.codes_done(name, call_codes, elapsed)
+        return codes
+
+    async def _submitted(
+        self, name: str, count: int, submit: Callable[[int], asyncio.Future[Any]], chunk: int
+    ) -> list[Any]:
+        """The replies of `count` calls, submitted `chunk` at a time: one event-loop turn per chunk
+        lets the coalescer send each chunk while the next is packed, so Redis runs one while
+        Python builds the next (a sweep of 16,000 overdue questions is otherwise one batch that
+        Python packs, then Redis runs, then Python reads, each waiting on the other). Gathering the
+        futures themselves (not a coroutine per call) spares a task per call on sweeps."""
+        futures: list[asyncio.Future[Any]] = []
+        try:
+            for first in range(0, count, chunk):
+                if first:
+                    await asyncio.sleep(0)  # the coalescer flushes the chunk before it
+                futures += [submit(i) for i in range(first, min(count, first + chunk))]
+        except asyncio.CancelledError:
+            for future in futures:  # nobody will read them: no "exception never retrieved"
+                future.cancel()
+            raise
+        try:
+            return await asyncio.gather(*futures)
+        except ResponseError as exc:
+            raise self._failed(name, refusal(name, exc)) from exc
+        except (RedisError, OSError) as exc:
+            self._failed(name, exc)
+            raise
 
     def _failed(self, name: str, exc: Exception) -> Exception:
         """Count a failed call for /metrics; returns `exc` for the caller to raise."""

@@ -9,6 +9,7 @@ import hashlib
 import itertools
 import re
 import secrets
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -16,11 +17,14 @@ from redis.asyncio import Redis
 
 from service.keys import BUCKETS, QUESTION_ID, Keys, bucket_of, idempotency_bucket, new_question_id
 from service.model import MAX_EXPIRES_IN, Question, Target
-from service.scripts import Code, Reply, Scripts
+from service.scripts import Code, Reply, Scripts, VariadicCall
 from service.settings import Settings
 
 _CURSOR = re.compile(r"^[0-9]{13}:[0-9a-f]{25}\Z")
 MAX_SCAN_ROUNDS = 8
+# Questions per expire_many call (docs/benchmarks.md: one call per question spent more of Redis'
+# time in calling the script than in expiring).
+EXPIRE_MANY_BATCH = 100
 
 
 class BadCursor(ValueError):
@@ -77,6 +81,14 @@ def decode_cursor(cursor: str) -> str:
     if not _CURSOR.match(member):
         raise BadCursor(cursor)
     return member
+
+
+def _with_call_ids(question_ids: Sequence[str]) -> list[str | int]:
+    """expire_many's two arguments per question: its id, and a call id of its own."""
+    args: list[str | int] = []
+    for question_id in question_ids:
+        args += (question_id, new_call_id())
+    return args
 
 
 class QuestionStore:
@@ -165,9 +177,40 @@ class QuestionStore:
         return [None if r.fields is None else Question(r.fields) for r in replies]
 
     async def expire_many(self, question_ids: Sequence[str]) -> list[Code]:
-        """Expire whichever of these are overdue; the sweeper and the keyspace listener use it."""
-        calls = [(self._transition_keys(q), self._expire_args(q, False)) for q in question_ids]
-        return [r.code for r in await self.scripts.call_many("expire", calls)]
+        """Expire whichever of these are overdue, EXPIRE_MANY_BATCH of a bucket per script call;
+        the sweeper and the keyspace listener use it. A code per id, in order: APPLIED for each
+        this call expired (also when a retry of the call reports it again)."""
+        by_bucket: dict[int, list[int]] = defaultdict(list)
+        for i, question_id in enumerate(question_ids):
+            by_bucket[bucket_of(question_id)].append(i)
+        calls: list[VariadicCall] = []
+        order: list[int] = []
+        args: dict[str, str | int] = {"retention": self.retention_ms, "outbox maxlen": self.outbox_maxlen}
+        for b, positions in by_bucket.items():
+            bucket_keys = {
+                "deadlines": self.keys.deadlines(b),
+                "purge": self.keys.purge(b),
+                "outbox": self.keys.outbox(b),
+                "stats": self.keys.stats(b),
+            }
+            for first in range(0, len(positions), EXPIRE_MANY_BATCH):
+                batch = positions[first : first + EXPIRE_MANY_BATCH]
+                ids = [question_ids[i] for i in batch]
+                calls.append((bucket_keys, args, self._expiry_keys(ids), _with_call_ids(ids)))
+                order += batch
+        codes: list[Code] = [Code.PENDING] * len(question_ids)
+        replies = await self.scripts.call_many_variadic("expire_many", calls)
+        for i, code in zip(order, (code for reply in replies for code in reply), strict=True):
+            codes[i] = Code.APPLIED if code == "again" else Code(code)
+        return codes
+
+    def _expiry_keys(self, question_ids: Sequence[str]) -> list[str]:
+        """expire_many's three keys per question: the hash, the deadline marker, the channel."""
+        keys: list[str] = []
+        for question_id in question_ids:
+            k = self.keys.for_question(question_id)
+            keys += (k.question, k.deadline_marker, k.channel)
+        return keys
 
     def _expire_args(self, question_id: str, want_fields: bool) -> dict[str, str | int]:
         return {

@@ -10,8 +10,9 @@ import pytest
 from redis.asyncio import Redis
 
 from service.http.appkeys import STORE, SWEEPER
+from service.keys import bucket_of
 from service.model import envelope
-from service.scripts import Code, Reply, Scripts
+from service.scripts import Code, Reply, ScriptMisuse, Scripts, VariadicCall
 from service.settings import Settings
 from service.store import QuestionStore, new_call_id
 from tests.api import Api
@@ -199,6 +200,63 @@ async def test_sweeper_style_expire_rerun_reports_applied_without_fields(
     assert first == second == Reply(Code.APPLIED)
     assert await snapshot(redis, qs.keys.prefix) == before
     assert (await stats_totals(redis, qs.keys.prefix))["expired"] == 1
+
+
+def expire_many_call(qs: QuestionStore, question_ids: list[str], call_ids: list[str]) -> VariadicCall:
+    """One expire_many call for questions of one bucket, with the given call ids."""
+    b = bucket_of(question_ids[0])
+    keys = {"deadlines": qs.keys.deadlines(b), "purge": qs.keys.purge(b)}
+    keys |= {"outbox": qs.keys.outbox(b), "stats": qs.keys.stats(b)}
+    per_question = [arg for pair in zip(question_ids, call_ids, strict=True) for arg in pair]
+    return keys, {"retention": 1000, "outbox maxlen": 1000}, qs._expiry_keys(question_ids), per_question
+
+
+async def test_sweeper_batch_expiry_rerun_reports_again_and_changes_nothing(
+    store: tuple[Redis, Scripts, QuestionStore], redis: Redis
+) -> None:
+    _, scripts, qs = store
+    question_id = await overdue(redis, qs)
+    call = expire_many_call(qs, [question_id], ["c-batch"])
+    first = await scripts.call_many_variadic("expire_many", [call])
+    before = await snapshot(redis, qs.keys.prefix)
+    async with ChannelTap(redis, [qs.channel(question_id)]) as tap:
+        second = await scripts.call_many_variadic("expire_many", [call])
+        published = len(await tap.drain())
+    assert (first, second) == ([["applied"]], [["again"]])
+    assert await snapshot(redis, qs.keys.prefix) == before
+    assert published == 0
+    assert (await stats_totals(redis, qs.keys.prefix))["expired"] == 1
+    assert await qs.expire_many([question_id]) == [Code.STALE]  # another sweep's call id
+
+
+async def test_batch_expiry_reports_each_question_by_its_own_state_in_input_order(
+    store: tuple[Redis, Scripts, QuestionStore], redis: Redis
+) -> None:
+    _, _, qs = store
+    gone, answered = await overdue(redis, qs), await created(qs)
+    due, not_due = await overdue(redis, qs), await created(qs)
+    await qs.answer(answered, "alice", "yes", [], new_call_id())
+    await redis.delete(qs.keys.for_question(gone).question)  # an operator's DEL
+
+    codes = await qs.expire_many([gone, answered, due, not_due])
+
+    assert codes == [Code.NOT_FOUND, Code.STALE, Code.APPLIED, Code.PENDING]
+    deadlines = qs.keys.deadlines(bucket_of(gone))
+    assert await redis.zscore(deadlines, gone) is None  # the sweep will not find it again
+    expired = [e["id"] for e in await outbox_events(redis, qs.keys.prefix) if e["type"] == "question.expired"]
+    assert expired == [due]
+    assert (await qs.read(not_due)).state == "pending"  # type: ignore[union-attr]
+
+
+async def test_batch_expiry_with_keys_not_in_whole_questions_is_refused_as_misuse(
+    store: tuple[Redis, Scripts, QuestionStore], redis: Redis
+) -> None:
+    _, scripts, qs = store
+    question_id = await overdue(redis, qs)
+    keys, args, more_keys, more_args = expire_many_call(qs, [question_id], ["c"])
+    with pytest.raises(ScriptMisuse, match="not whole questions"):
+        await scripts.call_many_variadic("expire_many", [(keys, args, more_keys[:2], more_args)])
+    assert await redis.hget(qs.keys.for_question(question_id).question, "state") == "pending"
 
 
 async def test_answer_whose_first_run_expired_the_question_inline_reruns_as_stale_not_applied(

@@ -113,11 +113,23 @@ def test_lua_dir_holds_every_script() -> None:
 
 
 def test_every_redis_call_takes_its_key_from_keys() -> None:
+    """Directly, or through a key table (`k.question`) whose every entry is set from KEYS."""
     call = re.compile(r"redis\.call\('(\w+)'(?:,\s*([^,)]+))?")
+    table_entry = re.compile(r"(?:\bk\.|[{,]\s*)(\w+)\s*=\s*([^,}\n]+)")
     for name in SCRIPT_NAMES:
-        for command, first in call.findall(LuaScript.load(name).source):
+        source = LuaScript.load(name).source
+        code = "\n".join(line for line in source.split("]]", 1)[1].splitlines() if not line.startswith("--"))
+        for command, first in call.findall(code):
             if command != "TIME":
-                assert first.startswith("KEYS["), f"{name}.lua: {command} {first}"
+                assert first.startswith(("KEYS[", "k.")), f"{name}.lua: {command} {first}"
+        for entry, value in table_entry.findall(code):
+            if entry in TABLE_KEYS:
+                assert value.startswith("KEYS["), f"{name}.lua: k.{entry} = {value}"
+        used = set(re.findall(r"\bk\.(\w+)", code))
+        assert used <= TABLE_KEYS, f"{name}.lua: {used - TABLE_KEYS}"
+
+
+TABLE_KEYS = {"question", "marker", "deadlines", "purge", "channel", "outbox", "stats"}
 
 
 def test_settings_prefix_reaches_every_key() -> None:

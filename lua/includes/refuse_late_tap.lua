@@ -1,4 +1,4 @@
--- refuse_late_tap(id, state, expires_ms, tcall, call_id, now, retention_ms, outbox_maxlen, publish):
+-- refuse_late_tap(k, id, state, expires_ms, tcall, call_id, now, retention_ms, outbox_maxlen, publish):
 -- for answer and cancel, the reply when the tap cannot apply: the question is already
 -- terminal (the stored story; 'applied' only for a re-run of the call that made it), or its
 -- deadline has passed (it expires now and the tap is stale: {'stale', fields, 'expired_now'}, so the
@@ -6,7 +6,7 @@
 --@include "settled"
 --@include "note_stale"
 --@include "expire_overdue"
-local function refuse_late_tap(id, state, expires_ms, tcall, call_id, now, retention_ms, outbox_maxlen, publish)
+local function refuse_late_tap(k, id, state, expires_ms, tcall, call_id, now, retention_ms, outbox_maxlen, publish)
   if state ~= 'pending' then
     local reply = settled(tcall, call_id)
     if reply[1] == 'stale' then note_stale(call_id) end
@@ -14,7 +14,7 @@ local function refuse_late_tap(id, state, expires_ms, tcall, call_id, now, reten
   end
   if now >= expires_ms then
     note_stale(call_id)
-    return {'stale', expire_overdue(id, expires_ms, 'inline', retention_ms, outbox_maxlen, publish), 'expired_now'}
+    return {'stale', expire_overdue(k, id, expires_ms, 'inline', retention_ms, outbox_maxlen, publish), 'expired_now'}
   end
   return nil
 end
