@@ -22,7 +22,7 @@ import hashlib
 import json
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -321,6 +321,17 @@ class OutboxFanout(OutboxConsumer):
         return refs
 
 
+async def _all_of(sends: Iterable[Awaitable[None]]) -> None:
+    """Every send run to its end, then the first failure raised and the others logged. A plain
+    gather raised at the first and let the rest run on unwatched, their failures dropped."""
+    outcomes = await asyncio.gather(*sends, return_exceptions=True)
+    failures = [o for o in outcomes if isinstance(o, BaseException)]
+    for failure in failures[1:]:
+        log.warning("another send of the same pass failed too: %r", failure)
+    if failures:
+        raise failures[0]
+
+
 class DeliverySender:
     """Leases due deliveries from every bucket, sends them, records each attempt."""
 
@@ -380,7 +391,7 @@ class DeliverySender:
             claimed += await self.deliveries.claim(b, self.lease_ms, min(budget, CLAIM_BATCH))
         self._first_bucket = (self._first_bucket + 1) % BUCKETS
         due = [d for d in claimed if d.status == "pending"]
-        await asyncio.gather(*(self._send(d) for d in due))
+        await _all_of(self._send(d) for d in due)
         return len(due)
 
     async def _send(self, delivery: Delivery) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
+from redis.exceptions import ConnectionError as RedisConnectionError
 from standardwebhooks.webhooks import Webhook as Verifier
 
 from service.http.appkeys import DELIVERY_WORKERS, REDIS
@@ -474,3 +475,38 @@ async def test_a_sender_claims_no_more_than_it_can_send_before_their_leases_run_
         for b in range(BUCKETS)
     ]
     assert sum(still_due) == 36
+
+
+async def test_a_pass_whose_sends_fail_waits_for_all_of_them_and_reports_every_failure(
+    api_with: Callable[..., Awaitable[Api]],
+    redis_server: RedisServer,
+    receiver: RecordingReceiver,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Redis fails under the records of three sends: the pass ends after all three, raising one
+    failure and logging the others, instead of raising at the first while the rest run on
+    unwatched and their failures vanish."""
+    settings = test_settings(redis_server.url, **{**FAST, "run_delivery": False})
+    api = await api_with(settings)
+    agent = await api.principal("deploybot", "agent")
+    hook = await register(api, agent, receiver.url, ["question.created"])
+    workers = api.client.app[DELIVERY_WORKERS]  # type: ignore[index]
+    for n in range(3):
+        event = {"id": new_question_id(n), "type": "question.created"}
+        record = (hook["id"], receiver.url, "{}", f"msg_{n:032x}")
+        assert await workers.store.enqueue_many(event, [record]) == [True]
+    started: list[str] = []
+    settled: list[str] = []
+
+    async def failing_settle(delivery: Any, *_args: Any) -> None:
+        started.append(delivery.id)
+        await asyncio.sleep(0.05 * len(started))  # each record fails a little later
+        settled.append(delivery.id)
+        raise RedisConnectionError(f"lost under {delivery.id}")
+
+    monkeypatch.setattr(workers.store, "settle", failing_settle)
+    with pytest.raises(RedisConnectionError, match="lost under"):
+        await workers.sender.send_due()
+    assert len(settled) == 3
+    assert caplog.text.count("failed too") == 2
