@@ -1,8 +1,9 @@
 #!lua
 --[[
   expire: expire the question if its deadline has passed; in every case report where it stands.
-  The sweeper, the keyspace-event listener, fetch, list and wait all read through this script,
-  so no path can show a pending question after its deadline.
+  Fetch, list and wait read through this script (the sweeper and the keyspace-event listener
+  through expire_many.lua, which decides the same way), so no path can show a pending question
+  after its deadline.
 
   From-states: pending and overdue -> expired. pending and not yet due, answered, expired,
   cancelled: nothing changes.
@@ -19,15 +20,13 @@
     ARGV[2] call id          unique per service call, reused by client retries
     ARGV[3] retention        ms
     ARGV[4] outbox maxlen    approximate cap
-    ARGV[5] want fields      '1': return the fields; '0': return the code alone (sweeper)
-    ARGV[6] publish          'PUBLISH', or 'SPUBLISH' on a Redis Cluster (sharded pub/sub)
+    ARGV[5] publish          'PUBLISH', or 'SPUBLISH' on a Redis Cluster (sharded pub/sub)
 
   Output:
-    {'applied', fields?}     this call expired the question
-    {'applied', fields, 'again'}  a re-run of the call that did (a client retry); without fields
-                             (ARGV[5] '0') the marker is dropped with them
-    {'stale', fields?}       already terminal
-    {'pending', fields?}     still pending: its deadline has not passed
+    {'applied', fields}      this call expired the question
+    {'applied', fields, 'again'}  a re-run of the call that did (a client retry)
+    {'stale', fields}        already terminal
+    {'pending', fields}      still pending: its deadline has not passed
     {'not_found'}            no such question (never created, or removed after retention); its
                              entry in KEYS[3], if any, is removed, so that a hash deleted outside
                              purge.lua (an operator's DEL, eviction) cannot keep a sweep looping
@@ -42,22 +41,16 @@
 --@include "settled"
 --@include "expire_overdue"
 --@include "publish_command"
-local publish = publish_command(ARGV[6])
+local publish = publish_command(ARGV[5])
 local now = now_ms()
 local q = redis.call('HMGET', KEYS[1], 'state', 'expires_ms', 'tcall')
 if not q[1] then
   redis.call('ZREM', KEYS[3], ARGV[1])
   return {'not_found'}
 end
-local reply
 if q[1] ~= 'pending' then
-  reply = settled(q[3], ARGV[2])
+  return settled(q[3], ARGV[2])
 elseif now >= tonumber(q[2]) then
-  reply = {'applied', expire_overdue(transition_keys(), ARGV[1], tonumber(q[2]), ARGV[2], ARGV[3], ARGV[4], publish)}
-else
-  reply = {'pending', redis.call('HGETALL', KEYS[1])}
+  return {'applied', expire_overdue(transition_keys(), ARGV[1], tonumber(q[2]), ARGV[2], ARGV[3], ARGV[4], publish)}
 end
-if ARGV[5] ~= '1' then
-  return {reply[1]}
-end
-return reply
+return {'pending', redis.call('HGETALL', KEYS[1])}

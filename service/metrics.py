@@ -211,13 +211,10 @@ class Metrics:
         if reply.again:  # its first run was counted; this one only reports it again
             self._outcomes[(kind, "replayed")] += 1
             return
-        if name == "expire":
+        if name == "expire":  # a read (fetch, list, wait); finding it terminal is no transition
             if code == "applied":
                 self._outcomes[(kind, "applied")] += 1
-                if args.get("want fields") == "1":  # a read (fetch, list, wait) expired it
-                    self.inline_expired += 1
-            elif code == "stale" and args.get("want fields") == "0":
-                self._outcomes[(kind, "stale")] += 1  # a sweeper or listener came second
+                self.inline_expired += 1
             return
         if reply.expired_now:  # a late answer or cancel expired the question: stale tap + expiry
             self._outcomes[("expired", "applied")] += 1

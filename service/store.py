@@ -167,12 +167,12 @@ class QuestionStore:
         if not QUESTION_ID.match(question_id):
             return None
         reply = await self.scripts.call(
-            "expire", self._transition_keys(question_id), self._expire_args(question_id, True)
+            "expire", self._transition_keys(question_id), self._expire_args(question_id)
         )
         return None if reply.fields is None else Question(reply.fields)
 
     async def read_many(self, question_ids: Sequence[str]) -> list[Question | None]:
-        calls = [(self._transition_keys(q), self._expire_args(q, True)) for q in question_ids]
+        calls = [(self._transition_keys(q), self._expire_args(q)) for q in question_ids]
         replies = await self.scripts.call_many("expire", calls)
         return [None if r.fields is None else Question(r.fields) for r in replies]
 
@@ -212,13 +212,12 @@ class QuestionStore:
             keys += (k.question, k.deadline_marker, k.channel)
         return keys
 
-    def _expire_args(self, question_id: str, want_fields: bool) -> dict[str, str | int]:
+    def _expire_args(self, question_id: str) -> dict[str, str | int]:
         return {
             "id": question_id,
             "call id": new_call_id(),
             "retention": self.retention_ms,
             "outbox maxlen": self.outbox_maxlen,
-            "want fields": "1" if want_fields else "0",
         }
 
     async def answer(

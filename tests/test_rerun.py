@@ -150,9 +150,8 @@ async def test_expire_rerun_with_the_same_call_id_reports_applied_and_changes_no
     read = await qs.read(question_id)  # a fetch runs expire.lua, which expires it on the spot
     assert read is not None
     assert read.state == "expired"
-    name, _, args = recorder.calls[-1]
+    name, _, _ = recorder.calls[-1]
     assert name == "expire"
-    assert args["want fields"] == "1"
     first = recorder.replies[-1]
     assert first.code is Code.APPLIED
 
@@ -167,39 +166,6 @@ async def test_expire_rerun_with_the_same_call_id_reports_applied_and_changes_no
     assert stats["expired"] == 1
     events = [e["type"] for e in await outbox_events(redis, qs.keys.prefix)]
     assert events == ["question.created", "question.expired"]
-
-
-async def test_sweeper_style_expire_rerun_reports_applied_without_fields(
-    store: tuple[Redis, Scripts, QuestionStore], redis: Redis
-) -> None:
-    _, scripts, qs = store
-    question_id = await overdue(redis, qs)
-    first = await scripts.call(
-        "expire",
-        qs._transition_keys(question_id),
-        {
-            "id": question_id,
-            "call id": "c-sweep",
-            "retention": 1000,
-            "outbox maxlen": 1000,
-            "want fields": "0",
-        },
-    )
-    before = await snapshot(redis, qs.keys.prefix)
-    second = await scripts.call(
-        "expire",
-        qs._transition_keys(question_id),
-        {
-            "id": question_id,
-            "call id": "c-sweep",
-            "retention": 1000,
-            "outbox maxlen": 1000,
-            "want fields": "0",
-        },
-    )
-    assert first == second == Reply(Code.APPLIED)
-    assert await snapshot(redis, qs.keys.prefix) == before
-    assert (await stats_totals(redis, qs.keys.prefix))["expired"] == 1
 
 
 def expire_many_call(qs: QuestionStore, question_ids: list[str], call_ids: list[str]) -> VariadicCall:
