@@ -104,6 +104,15 @@ def _connect_one_at_a_time(connection: Any) -> None:
     connection.connect_check_health = one_at_a_time
 
 
+def _raise_if_a_cancel_was_absorbed() -> None:
+    """On Python 3.11, asyncio.wait_for (around redis-py's socket write) drops a cancel that
+    arrives as the write completes: a request whose client hung up then held its wait to the
+    timeout. The task still counts the cancel as requested, so it is raised here."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 @dataclass(slots=True)
 class _Channel:
     question_id: str
@@ -258,6 +267,7 @@ class Waiters:
             if self._pubsub.connection is None:
                 await self._connect()
             await self._pubsub.subscribe(*(channel for channel, _ in fresh))
+            _raise_if_a_cancel_was_absorbed()
         except BaseException as exc:
             self._subscribe_failed(fresh)
             if isinstance(exc, AttributeError | RuntimeError):

@@ -4,6 +4,7 @@ question per process, surviving a pub/sub connection kill, and unsubscribing whe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -473,3 +474,35 @@ async def test_a_stray_message_on_a_question_channel_does_not_stop_the_waiters(
     async with asyncio.timeout(10):
         woken = await waiting
     assert woken.body == answered.body["question"]
+
+
+async def test_a_wait_cancelled_while_its_subscribe_absorbs_the_cancel_still_ends_at_once(
+    long_wait_client: TestClient[object, object], redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Python 3.11's asyncio.wait_for, around redis-py's write of the SUBSCRIBE, drops a cancel
+    that arrives as the write completes. The client that hung up must still release its wait then,
+    not at its timeout, and the channel must not stay subscribed for nobody."""
+    client = long_wait_client
+    api = Api(client, ADMIN_TOKEN)
+    waiters = client.server.app[WAITERS]
+    agent = await api.principal("agent", "agent")
+    await api.principal("alice", "user")
+    question_id = (await api.ask(agent, {"user": "alice"}))["id"]
+    plain_subscribe = waiters._pubsub.subscribe
+    writing = asyncio.Event()
+
+    async def absorbing_subscribe(*channels: str) -> None:
+        writing.set()
+        # What wait_for does when the inner write completes together with the cancel: drop it.
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(0.5)  # the write under way
+        await plain_subscribe(*channels)
+
+    monkeypatch.setattr(waiters._pubsub, "subscribe", absorbing_subscribe)
+    wait = asyncio.create_task(waiters.wait(question_id, 30))
+    await asyncio.wait_for(writing.wait(), 5)
+    wait.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        async with asyncio.timeout(5):  # not the wait's 30 s
+            await wait
+    await until_unsubscribed(client, redis, client.server.app[STORE].channel(question_id))
