@@ -200,10 +200,7 @@ class Metrics:
     # -- scripts --------------------------------------------------------------------------------
 
     def script_done(self, name: str, args: Mapping[str, str | int], reply: Reply, seconds: float) -> None:
-        tally = self._scripts.get(name)
-        if tally is None:
-            tally = self._scripts[name] = _Tally(REDIS_BUCKETS)
-        tally.observe(seconds)
+        self._script_took(name, seconds)
         kind = KIND.get(name)
         if kind is None:
             return
@@ -223,14 +220,17 @@ class Metrics:
 
     def codes_done(self, name: str, codes: Sequence[str], seconds: float) -> None:
         """One call of expire_many (the sweeper and the keyspace listener): a code per question."""
-        tally = self._scripts.get(name)
-        if tally is None:
-            tally = self._scripts[name] = _Tally(REDIS_BUCKETS)
-        tally.observe(seconds)
+        self._script_took(name, seconds)
         for code in codes:
             result = BATCH_RESULT.get(code)
             if result is not None:
                 self._outcomes[("expired", result)] += 1
+
+    def _script_took(self, name: str, seconds: float) -> None:
+        tally = self._scripts.get(name)
+        if tally is None:
+            tally = self._scripts[name] = _Tally(REDIS_BUCKETS)
+        tally.observe(seconds)
 
     def script_failed(self, name: str, exc: BaseException) -> None:
         self.redis_errors.labels(name, error_kind(exc)).inc()
