@@ -4,7 +4,9 @@ ends (answered, cancelled, expired)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import json
 import os
 import re
@@ -12,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import http_ece
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -25,6 +28,7 @@ from service.http.appkeys import QUESTIONS
 from service.settings import Settings
 from tests.api import Api
 from tests.conftest import ADMIN_TOKEN, close_client, test_settings
+from tests.helpers_reliability import eventually
 from tests.receivers import Hit, RecordingReceiver, recording_receiver
 from tests.redis_server import RedisServer, free_port
 from tests.test_openapi import validator
@@ -261,6 +265,48 @@ async def test_a_tap_whose_answer_failed_on_a_redis_error_can_be_tapped_again(
     assert retried.status == 200
     assert retried.body["applied"] is True
     assert retried.body["question"]["answer"]["option"] == "yes"
+
+
+async def test_a_tap_whose_client_hung_up_mid_answer_leaves_the_link_usable(
+    service: tuple[Api, Settings], receivers: RecordingReceiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A phone that drops the connection while the answer runs cancels the handler (the service
+    runs with handler_cancellation); the tap did not answer, so the same button must still work."""
+    api, _ = service
+    agent = await agent_and_alice_with_a_phone(api, receivers)
+    question = await api.ask(agent, {"user": "alice"})
+    yes = ACTION_URL.findall((await receivers.at("/ntfy", 1))[0].headers["Actions"])[0]
+    questions = api.client.app[QUESTIONS]  # type: ignore[index]
+    real_answer = questions.answer
+    started, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def held(*_args: Any) -> Any:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            cancelled.set()
+
+    monkeypatch.setattr(questions, "answer", held)
+    async with aiohttp.ClientSession() as phone:
+        tap = asyncio.create_task(phone.post(yes))
+        await asyncio.wait_for(started.wait(), 10)
+        tap.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await tap
+    await asyncio.wait_for(cancelled.wait(), 10)
+    assert (await api.get(agent, question["id"])).body["state"] == "pending"
+
+    monkeypatch.setattr(questions, "answer", real_answer)
+    retried: list[Any] = []
+
+    async def tapped_again() -> bool:
+        retried.append(await post_action(api, yes))
+        return bool(retried[-1].status == 200)
+
+    await eventually(tapped_again, within=5, what="the link to be released after the hang-up")
+    assert retried[-1].body["applied"] is True
+    assert retried[-1].body["question"]["answer"]["option"] == "yes"
 
 
 async def test_a_room_link_refused_while_its_user_was_out_of_the_room_works_once_they_are_back(

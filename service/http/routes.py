@@ -344,7 +344,8 @@ async def act(request: web.Request) -> web.Response:
 
     A repeated tap (a phone delivering one tap twice) is a 409 that carries the question as it
     is now, so it still shows the resolved state; a tap whose answer did not complete (Redis
-    unreachable) leaves the link unused, so the same button can be tapped again."""
+    unreachable, or the client hung up) leaves the link unused, so the same button can be tapped
+    again."""
     token = request.match_info["token"]
     actions, questions = request.app[ACTIONS], request.app[QUESTIONS]
     claim, user, first = await actions.claim(token)
@@ -354,8 +355,10 @@ async def act(request: web.Request) -> web.Response:
     try:
         # Keyed by the link: a retry of a tap whose reply was lost is told it applied.
         outcome = await questions.answer(user, claim.question, claim.option, "action:" + token)
-    except Exception:
-        await actions.release(claim, token)
+    except BaseException:
+        # Also on a cancel (the client hung up): the tap did not answer, so the link stays
+        # usable. Shielded, so a second cancel (shutdown) cannot stop the release half-way.
+        await asyncio.shield(actions.release(claim, token))
         raise
     return respond(request, outcome_reply(outcome))
 
