@@ -28,6 +28,9 @@ from service.errors import Invalid
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 MAX_URL = 2048
+# A receiver's reply body is not used; this much is read so a small reply leaves the connection
+# reusable, and a bigger one (or one that never ends) closes it instead of filling memory.
+RESPONSE_READ_LIMIT = 64 * 1024
 # Not covered by is_private/is_global in every Python version: carrier-grade NAT and the
 # IPv6 translation prefixes that can reach IPv4 space.
 _ALSO_BLOCKED = [ipaddress.ip_network(n) for n in ("100.64.0.0/10", "64:ff9b::/96", "64:ff9b:1::/48")]
@@ -142,6 +145,17 @@ class Attempt:
         return 200 <= self.status < 300
 
 
+async def _drain_up_to(response: aiohttp.ClientResponse, limit: int) -> None:
+    """Reads and drops at most `limit` bytes of the body; leaving the context closes the
+    connection if more is left."""
+    left = limit
+    while left > 0:
+        chunk = await response.content.read(left)
+        if not chunk:
+            return
+        left -= len(chunk)
+
+
 async def post(
     session: aiohttp.ClientSession,
     policy: OutboundPolicy,
@@ -169,7 +183,7 @@ async def post(
             allow_redirects=False,
             timeout=aiohttp.ClientTimeout(total=timeout),
         ) as response:
-            await response.read()
+            await _drain_up_to(response, RESPONSE_READ_LIMIT)
             if 200 <= response.status < 300:
                 return done(response.status)
             return done(response.status, f"HTTP {response.status}")

@@ -4,6 +4,7 @@ signatures, at-least-once delivery with retries, dead letters and replay, and th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import json
 import os
@@ -13,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
@@ -21,7 +23,7 @@ from standardwebhooks.webhooks import Webhook as Verifier
 
 from service.http.appkeys import DELIVERY_WORKERS, REDIS
 from service.keys import BUCKETS, new_question_id
-from service.outbound import AddressRefused, GuardedResolver, OutboundPolicy, parse_nets
+from service.outbound import AddressRefused, GuardedResolver, OutboundPolicy, parse_nets, post
 from service.settings import Settings
 from tests.api import Api
 from tests.conftest import ADMIN_TOKEN, close_client, start_client, test_settings
@@ -350,6 +352,35 @@ async def test_a_name_resolving_to_loopback_is_refused_by_the_resolver() -> None
             await resolver.resolve("localhost", 80)
     finally:
         await resolver.close()
+
+
+async def test_a_receiver_whose_reply_body_never_ends_gets_its_status_recorded_not_read_whole() -> None:
+    """The reply body is not used; reading all of it let a receiver fill the process's memory
+    (a 1.5 GB body took it to 3 GiB). An endless body must not hold the attempt to its timeout."""
+    chunk = b"x" * 65_536
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        reply = web.StreamResponse()
+        await reply.prepare(request)
+        with contextlib.suppress(ConnectionResetError):  # the sender hanging up ends it
+            while True:
+                await reply.write(chunk)
+        return reply
+
+    app = web.Application()
+    app.router.add_post("/hook", endless)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        async with aiohttp.ClientSession() as session:
+            loopback = OutboundPolicy(parse_nets("127.0.0.0/8"))
+            attempt = await post(session, loopback, f"http://{host}:{port}/hook", b"{}", {}, 30)
+    finally:
+        await runner.cleanup()
+    assert (attempt.status, attempt.error) == (200, "")
 
 
 async def test_a_sender_killed_between_send_and_record_leaves_the_delivery_to_another(
