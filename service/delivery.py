@@ -166,7 +166,9 @@ class DeliveryStore:
 
     async def claim(self, b: int, lease_ms: int, count: int = CLAIM_BATCH) -> list[Delivery]:
         reply = await self.scripts.call(
-            "deliver_claim", {"due": self.keys.deliveries_due(b)}, {"lease": lease_ms, "count": count}
+            "deliver_claim",
+            {"due": self.keys.deliveries_due(b), "dead letters": self.keys.dead_letters(b)},
+            {"lease": lease_ms, "count": count, "retention": self.retention_ms},
         )
         if reply.code is not Code.APPLIED or not reply.value:
             return []

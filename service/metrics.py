@@ -151,8 +151,8 @@ class Metrics:
             "read at scrape.", registry=r,
         )  # fmt: skip
         self.dead_letters = Gauge(
-            "qs_dead_letters", "Deliveries that failed their last attempt and wait for a replay; "
-            "read at scrape.", registry=r,
+            "qs_dead_letters", "Deliveries that failed their last attempt and can be replayed "
+            "(within the retention); read at scrape.", registry=r,
         )  # fmt: skip
         self.scrape_ok = Gauge(
             "qs_redis_scrape_ok", "1 when the last scrape could read its figures from Redis.",

@@ -27,6 +27,7 @@ from service.outbound import AddressRefused, GuardedResolver, OutboundPolicy, pa
 from service.settings import Settings
 from tests.api import Api
 from tests.conftest import ADMIN_TOKEN, close_client, start_client, test_settings
+from tests.helpers_reliability import eventually
 from tests.receivers import RecordingReceiver, recording_receiver
 from tests.redis_server import RedisServer
 
@@ -281,6 +282,36 @@ async def test_after_the_last_attempt_a_delivery_is_dead_lettered_and_an_admin_c
     assert (await api.call("GET", "/v1/admin/deadletters", api.admin)).body["deliveries"] == []
     again = await api.call("POST", f"/v1/admin/deadletters/{dead['id']}/replay", api.admin)
     assert again.status == 404
+
+
+async def test_a_dead_letter_leaves_the_stream_and_the_gauge_when_its_record_expires(
+    api_with: Callable[..., Awaitable[Api]], redis_server: RedisServer, receiver: RecordingReceiver
+) -> None:
+    """After the retention the dead record is gone (not listed, not replayable); its stream entry
+    must go too, or qs_dead_letters counts letters nobody can see."""
+
+    async def down(n: int) -> web.Response:
+        return web.Response(status=503)
+
+    receiver.reply = down
+    api = await api_with(webhook_retry_schedule="", retention_seconds=1)
+    agent = await api.principal("deploybot", "agent")
+    hook = await register(api, agent, receiver.url)
+    await answered_question(api, agent)
+    dead = await settled(api, agent, hook["id"], "dead")
+    assert "qs_dead_letters 1.0" in (await api.call("GET", "/metrics")).body.decode()
+
+    async def gone() -> bool:
+        metrics = (await api.call("GET", "/metrics")).body.decode()
+        return "qs_dead_letters 0.0" in metrics
+
+    await eventually(gone, within=15, what="the expired dead letter to leave the gauge")
+    app = api.client.app
+    streams = [app[DELIVERY_WORKERS].store.keys.dead_letters(b) for b in range(BUCKETS)]  # type: ignore[index]
+    assert [await app[REDIS].xlen(s) for s in streams] == [0] * BUCKETS  # type: ignore[index]
+    assert (await api.call("GET", "/v1/admin/deadletters", api.admin)).body["deliveries"] == []
+    replay = await api.call("POST", f"/v1/admin/deadletters/{dead['id']}/replay", api.admin)
+    assert replay.status == 404
 
 
 async def test_the_sender_refuses_private_addresses_unless_allow_listed(
