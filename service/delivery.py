@@ -474,8 +474,8 @@ class DeliveryWorkers:
     def __init__(self, redis: Redis, scripts: Scripts, settings: Settings, *, blocking: Redis | None = None):
         keys = Keys(settings.key_prefix)
         policy = OutboundPolicy(parse_nets(settings.outbound_allow_nets))
-        self.registry = WebhookRegistry(redis, keys, policy)
-        self.channels = ChannelRegistry(redis, keys, policy)
+        self.registry = WebhookRegistry(redis, scripts, keys, policy)
+        self.channels = ChannelRegistry(redis, scripts, keys, policy)
         self.server_keys = ServerKeys(redis, keys)
         self.store = DeliveryStore(redis, scripts, keys, settings.retention_seconds * 1000)
         pings = PingContext(

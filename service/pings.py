@@ -36,6 +36,7 @@ from service.errors import Forbidden, Invalid, InvalidAction, NotFound
 from service.keys import Keys
 from service.model import Principal, State, timestamp, to_json
 from service.outbound import Attempt, OutboundPolicy, post
+from service.scripts import Code, Scripts
 from service.webhooks import new_secret
 
 MAX_CHANNELS = 10
@@ -205,8 +206,9 @@ def parse_ref(ref: str) -> tuple[str, str]:
 
 
 class ChannelRegistry:
-    def __init__(self, redis: Redis, keys: Keys, policy: OutboundPolicy) -> None:
+    def __init__(self, redis: Redis, scripts: Scripts, keys: Keys, policy: OutboundPolicy) -> None:
         self.redis = redis
+        self.scripts = scripts
         self.keys = keys
         self.policy = policy
 
@@ -215,11 +217,13 @@ class ChannelRegistry:
 
     async def put(self, user: str, name: str, body: NewChannel) -> Channel:
         channel = self._validated(user, name, body)
-        key = self._key(user)
-        existing: Any = await self.redis.hget(key, name)
-        if existing is None and await self.redis.hlen(key) >= MAX_CHANNELS:
+        reply = await self.scripts.call(
+            "channel_put",
+            {"channels": self._key(user)},
+            {"name": name, "channel": channel.to_json(), "cap": MAX_CHANNELS},
+        )
+        if reply.code is Code.FULL:
             raise Invalid(f"a user may register at most {MAX_CHANNELS} channels")
-        await self.redis.hset(key, name, channel.to_json())
         return channel
 
     def _validated(self, user: str, name: str, body: NewChannel) -> Channel:

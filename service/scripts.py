@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 SCRIPT_NAMES = (
     "create", "answer", "cancel", "expire", "expire_many", "purge",
     "deliver_enqueue", "deliver_claim", "deliver_settle", "deliver_replay",
+    "webhook_add", "channel_put",
 )  # fmt: skip
 # The transitions that a QS_WAIT_REPLICAS confirmation follows.
 CONFIRMED_SCRIPTS = frozenset({"answer", "cancel"})
@@ -57,6 +58,7 @@ class Code(enum.StrEnum):
     NOT_ELIGIBLE = "not_eligible"
     NOT_ASKER = "not_asker"
     UNKNOWN_OPTION = "unknown_option"
+    FULL = "full"
 
 
 Fields = dict[str, str]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import secrets
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +17,7 @@ from redis.asyncio import Redis
 from service.errors import Conflict, NotFound
 from service.keys import Keys
 from service.outbound import OutboundPolicy
+from service.scripts import Code, Scripts
 
 EVENT_TYPES = ("question.created", "question.answered", "question.expired", "question.cancelled")
 MAX_PER_OWNER = 25
@@ -56,28 +56,31 @@ class Webhook:
 
 
 class WebhookRegistry:
-    def __init__(self, redis: Redis, keys: Keys, policy: OutboundPolicy) -> None:
+    def __init__(self, redis: Redis, scripts: Scripts, keys: Keys, policy: OutboundPolicy) -> None:
         self.redis = redis
+        self.scripts = scripts
         self.keys = keys
         self.policy = policy
 
     async def create(self, owner: str, url: str, events: list[str]) -> Webhook:
         self.policy.check_url(url)
-        if await self.redis.scard(self.keys.webhooks_of(owner)) >= MAX_PER_OWNER:
-            raise Conflict(f"a principal may register at most {MAX_PER_OWNER} webhooks")
-        hook = Webhook(
-            id="wh_" + secrets.token_hex(8),
-            owner=owner,
-            url=url,
-            events=tuple(sorted(set(events), key=EVENT_TYPES.index)),
-            secret=new_secret(),
-            created_ms=int(time.time() * 1000),
+        hook_id, secret = "wh_" + secrets.token_hex(8), new_secret()
+        ordered = tuple(sorted(set(events), key=EVENT_TYPES.index))
+        reply = await self.scripts.call(
+            "webhook_add",
+            {"webhook": self.keys.webhook(hook_id), "owner endpoints": self.keys.webhooks_of(owner)},
+            {
+                "id": hook_id,
+                "cap": MAX_PER_OWNER,
+                "owner": owner,
+                "url": url,
+                "events": ",".join(ordered),
+                "secret": secret,
+            },
         )
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(self.keys.webhook(hook.id), mapping=self._hash(hook))
-            pipe.sadd(self.keys.webhooks_of(owner), hook.id)
-            await pipe.execute()
-        return hook
+        if reply.code is Code.FULL:
+            raise Conflict(f"a principal may register at most {MAX_PER_OWNER} webhooks")
+        return Webhook(hook_id, owner, url, ordered, secret, int(reply.value or 0))
 
     async def get(self, owner: str, webhook_id: str) -> Webhook:
         """The owner's endpoint; another principal's is as unknown as a missing one."""
@@ -114,14 +117,3 @@ class WebhookRegistry:
             pipe.delete(self.keys.webhook(webhook_id))
             pipe.srem(self.keys.webhooks_of(owner), webhook_id)
             await pipe.execute()
-
-    @staticmethod
-    def _hash(hook: Webhook) -> dict[Any, Any]:
-        return {
-            "id": hook.id,
-            "owner": hook.owner,
-            "url": hook.url,
-            "events": ",".join(hook.events),
-            "secret": hook.secret,
-            "created_ms": str(hook.created_ms),
-        }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import contextlib
 import json
 import os
@@ -145,6 +146,25 @@ async def test_channels_are_registered_listed_without_secrets_and_deleted(
     assert (await api.call("DELETE", "/v1/me/channels/phone", alice)).status == 404
     names = [c["name"] for c in (await api.call("GET", "/v1/me/channels", alice)).body["channels"]]
     assert names == ["relay"]
+
+
+async def test_parallel_channel_registrations_stop_at_the_per_user_cap_of_10(
+    service: tuple[Api, Settings], receivers: RecordingReceiver
+) -> None:
+    """The count and the write are one script: 60 new names at once leave exactly 10, and a
+    user at the cap may still replace one of their channels."""
+    api, _ = service
+    alice = await api.principal("alice", "user")
+    body = {"kind": "ntfy", "url": f"{receivers.base}/ntfy"}
+    replies = await asyncio.gather(
+        *(api.call("PUT", f"/v1/me/channels/phone{i}", alice, body) for i in range(60))
+    )
+    assert collections.Counter(r.status for r in replies) == {200: 10, 422: 50}
+    stored = {r.body["name"] for r in replies if r.status == 200}
+    listed = (await api.call("GET", "/v1/me/channels", alice)).body["channels"]
+    assert {c["name"] for c in listed} == stored
+    replaced = await put_channel(api, alice, sorted(stored)[0], {**body, "token": "tk_new"})
+    assert replaced["name"] == sorted(stored)[0]
 
 
 async def test_a_ping_reaches_every_channel_with_working_buttons_and_is_withdrawn_when_answered(

@@ -4,6 +4,7 @@ signatures, at-least-once delivery with retries, dead letters and replay, and th
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import ipaddress
 import json
@@ -383,6 +384,22 @@ async def test_a_name_resolving_to_loopback_is_refused_by_the_resolver() -> None
             await resolver.resolve("localhost", 80)
     finally:
         await resolver.close()
+
+
+async def test_parallel_registrations_stop_at_the_per_owner_cap_of_25(
+    api_with: Callable[..., Awaitable[Api]],
+) -> None:
+    """The count and the write are one script: 100 registrations at once leave exactly 25."""
+    api = await api_with()
+    agent = await api.principal("deploybot", "agent")
+    body = {"url": "http://127.0.0.1:9/hook", "events": ["question.answered"]}
+    replies = await asyncio.gather(*(api.call("POST", "/v1/webhooks", agent, body) for _ in range(100)))
+    assert collections.Counter(r.status for r in replies) == {201: 25, 409: 75}
+    refused = next(r for r in replies if r.status == 409)
+    assert refused.body["type"].endswith("/conflict")
+    listed = (await api.call("GET", "/v1/webhooks", agent)).body["webhooks"]
+    assert sorted(h["id"] for h in listed) == sorted(r.body["id"] for r in replies if r.status == 201)
+    assert all(h["created_ms"] > 0 for h in listed)
 
 
 async def test_a_receiver_whose_reply_body_never_ends_gets_its_status_recorded_not_read_whole() -> None:
