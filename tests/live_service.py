@@ -32,9 +32,9 @@ class Live:
 
 
 @asynccontextmanager
-async def serve(settings: Settings) -> AsyncIterator[str]:
-    """The real app on 127.0.0.1:<free port>; yields its base URL."""
-    runner = web.AppRunner(create_app(settings), handler_cancellation=True)
+async def on_loopback(app: web.Application, **runner_options: Any) -> AsyncIterator[str]:
+    """`app` on 127.0.0.1:<a port the kernel picks>; yields its base URL."""
+    runner = web.AppRunner(app, **runner_options)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -43,6 +43,13 @@ async def serve(settings: Settings) -> AsyncIterator[str]:
         yield f"http://{host}:{port}"
     finally:
         await runner.cleanup()
+
+
+@asynccontextmanager
+async def serve(settings: Settings) -> AsyncIterator[str]:
+    """The real app, as the service runs it, on loopback; yields its base URL."""
+    async with on_loopback(create_app(settings), handler_cancellation=True) as url:
+        yield url
 
 
 async def populate(url: str) -> Live:

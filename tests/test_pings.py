@@ -108,6 +108,14 @@ async def agent_and_alice_with_a_phone(api: Api, receivers: RecordingReceiver) -
     return await api.principal("deploybot", "agent")
 
 
+async def asked_alice_with_a_link(api: Api, receivers: RecordingReceiver) -> tuple[str, dict[str, Any], str]:
+    """The agent's token, a question it asked alice, and the "yes" action link of its Ping."""
+    agent = await agent_and_alice_with_a_phone(api, receivers)
+    question = await api.ask(agent, {"user": "alice"})
+    yes = ACTION_URL.findall((await receivers.at("/ntfy", 1))[0].headers["Actions"])[0]
+    return agent, question, yes
+
+
 async def post_action(api: Api, url: str) -> Any:
     path = url.split("127.0.0.1", 1)[1].split("/", 1)[1]
     return await api.call("POST", "/" + path)
@@ -266,9 +274,7 @@ async def test_a_tap_whose_answer_failed_on_a_redis_error_can_be_tapped_again(
     service: tuple[Api, Settings], receivers: RecordingReceiver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     api, _ = service
-    agent = await agent_and_alice_with_a_phone(api, receivers)
-    question = await api.ask(agent, {"user": "alice"})
-    yes = ACTION_URL.findall((await receivers.at("/ntfy", 1))[0].headers["Actions"])[0]
+    agent, question, yes = await asked_alice_with_a_link(api, receivers)
     questions = api.client.app[QUESTIONS]  # type: ignore[index]
     real_answer = questions.answer
 
@@ -293,9 +299,7 @@ async def test_a_tap_whose_client_hung_up_mid_answer_leaves_the_link_usable(
     """A phone that drops the connection while the answer runs cancels the handler (the service
     runs with handler_cancellation); the tap did not answer, so the same button must still work."""
     api, _ = service
-    agent = await agent_and_alice_with_a_phone(api, receivers)
-    question = await api.ask(agent, {"user": "alice"})
-    yes = ACTION_URL.findall((await receivers.at("/ntfy", 1))[0].headers["Actions"])[0]
+    agent, question, yes = await asked_alice_with_a_link(api, receivers)
     questions = api.client.app[QUESTIONS]  # type: ignore[index]
     real_answer = questions.answer
     started, cancelled = asyncio.Event(), asyncio.Event()

@@ -38,7 +38,7 @@ from service.client import (
 )
 from service.client._protocol import Wire
 from service.settings import Settings
-from tests.live_service import FAST, Live, populate, serve
+from tests.live_service import FAST, Live, on_loopback, populate, serve
 from tests.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,15 +117,8 @@ async def proxy_to(url: str, path: str, plan: list[str]) -> AsyncIterator[tuple[
     proxy = Proxy(url, path, plan)
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", proxy.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    try:
-        yield f"http://{host}:{port}", proxy
-    finally:
-        await runner.cleanup()
+    async with on_loopback(app) as base:
+        yield base, proxy
 
 
 # -- importing ----------------------------------------------------------------------------------

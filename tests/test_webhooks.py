@@ -29,6 +29,7 @@ from service.settings import Settings
 from tests.api import Api
 from tests.conftest import ADMIN_TOKEN, close_client, start_client, test_settings
 from tests.helpers_reliability import eventually
+from tests.live_service import on_loopback
 from tests.receivers import RecordingReceiver, recording_receiver
 from tests.redis_server import RedisServer
 
@@ -417,17 +418,9 @@ async def test_a_receiver_whose_reply_body_never_ends_gets_its_status_recorded_n
 
     app = web.Application()
     app.router.add_post("/hook", endless)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    try:
-        async with aiohttp.ClientSession() as session:
-            loopback = OutboundPolicy(parse_nets("127.0.0.0/8"))
-            attempt = await post(session, loopback, f"http://{host}:{port}/hook", b"{}", {}, 30)
-    finally:
-        await runner.cleanup()
+    async with on_loopback(app) as base, aiohttp.ClientSession() as session:
+        loopback = OutboundPolicy(parse_nets("127.0.0.0/8"))
+        attempt = await post(session, loopback, f"{base}/hook", b"{}", {}, 30)
     assert (attempt.status, attempt.error) == (200, "")
 
 
