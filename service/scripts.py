@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 SCRIPT_NAMES = (
     "create", "answer", "cancel", "expire", "expire_many", "purge",
     "deliver_enqueue", "deliver_claim", "deliver_settle", "deliver_replay",
-    "webhook_add", "channel_put",
+    "webhook_add", "webhook_rotate", "channel_put",
 )  # fmt: skip
 # The transitions that a QS_WAIT_REPLICAS confirmation follows.
 CONFIRMED_SCRIPTS = frozenset({"answer", "cancel"})

@@ -106,10 +106,14 @@ class WebhookRegistry:
         return [h for h in await self.of_owner(owner) if event_type in h.events]
 
     async def rotate(self, owner: str, webhook_id: str) -> Webhook:
-        hook = await self.get(owner, webhook_id)
-        secret = new_secret()
-        await self.redis.hset(self.keys.webhook(webhook_id), "secret", secret)
-        return Webhook(hook.id, hook.owner, hook.url, hook.events, secret, hook.created_ms)
+        reply = await self.scripts.call(
+            "webhook_rotate",
+            {"webhook": self.keys.webhook(webhook_id)},
+            {"owner": owner, "secret": new_secret()},
+        )
+        if reply.code is not Code.APPLIED or reply.fields is None:
+            raise NotFound(f"no webhook {webhook_id!r}")
+        return Webhook.from_hash(reply.fields)
 
     async def delete(self, owner: str, webhook_id: str) -> None:
         await self.get(owner, webhook_id)

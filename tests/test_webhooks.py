@@ -403,6 +403,28 @@ async def test_parallel_registrations_stop_at_the_per_owner_cap_of_25(
     assert all(h["created_ms"] > 0 for h in listed)
 
 
+async def test_a_rotate_racing_a_delete_leaves_no_partial_endpoint_behind(
+    api_with: Callable[..., Awaitable[Api]], redis_server: RedisServer
+) -> None:
+    """A rotate that read the endpoint before a delete removed it must not write the new secret
+    into a fresh hash: that stub (a secret, no owner) made every later read of the id a 500."""
+    api = await api_with()
+    agent = await api.principal("deploybot", "agent")
+    redis = api.client.app[REDIS]  # type: ignore[index]
+    keys = api.client.app[DELIVERY_WORKERS].store.keys  # type: ignore[index]
+    for _ in range(10):
+        hook = await register(api, agent, "http://127.0.0.1:9/hook")
+        path = f"/v1/webhooks/{hook['id']}"
+        deleted, rotated = await asyncio.gather(
+            api.call("DELETE", path, agent), api.call("POST", f"{path}/rotate", agent)
+        )
+        assert deleted.status == 204
+        assert rotated.status in (200, 404), rotated.body
+        assert await redis.exists(keys.webhook(hook["id"])) == 0
+        assert (await api.call("POST", f"{path}/rotate", agent)).status == 404
+        assert (await api.call("GET", f"{path}/deliveries", agent)).status == 404
+
+
 async def test_a_receiver_whose_reply_body_never_ends_gets_its_status_recorded_not_read_whole() -> None:
     """The reply body is not used; reading all of it let a receiver fill the process's memory
     (a 1.5 GB body took it to 3 GiB). An endless body must not hold the attempt to its timeout."""
