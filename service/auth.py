@@ -145,11 +145,14 @@ class Directory:
         match = _TOKEN_REF.match(reference)
         if not match:
             return False
-        found = await self.redis.getdel(self.keys.token_id(match.group(1)))
+        id_key = self.keys.token_id(match.group(1))
+        found = await self.redis.get(id_key)
         if found is None:
             return False
         digest = str(found)
-        await self.redis.delete(self.keys.token(digest))
+        # One DEL of both keys (one slot, {dir}): a failed revoke changes nothing, so its retry
+        # finds the token again instead of a 404 while the token still works.
+        await self.redis.delete(self.keys.token(digest), id_key)
         self.cache.drop(digest)
         return True
 

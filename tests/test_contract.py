@@ -12,8 +12,9 @@ from datetime import timedelta, timezone
 from typing import Any
 
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 
-from service.http.appkeys import WAITERS
+from service.http.appkeys import DIRECTORY, WAITERS
 from tests.api import Api
 from tests.conftest import ADMIN_TOKEN, start_client
 from tests.conftest import test_settings as settings_for
@@ -947,6 +948,28 @@ async def test_a_revoked_token_is_401(any_api: Api, reference: str) -> None:
     assert_problem(after, 401)
     again = await send(any_api.client, "DELETE", f"/v1/admin/tokens/{ref}", any_api.admin)
     assert_problem(again, 404)
+
+
+async def test_a_revoke_that_failed_on_a_redis_error_can_be_retried_and_then_holds(
+    any_api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 503 invites a retry: the retry must find the token (not 404) and end it."""
+    await any_api.principal("ivan", "user")
+    issued = await send(any_api.client, "POST", "/v1/admin/principals/ivan/tokens", any_api.admin)
+    token, token_id = issued.body["token"], issued.body["token_id"]
+    redis = any_api.client.app[DIRECTORY].redis
+    real_delete = redis.delete
+
+    async def fails_once(*keys: Any) -> Any:
+        monkeypatch.setattr(redis, "delete", real_delete)
+        raise RedisConnectionError("Redis went away mid-revoke")
+
+    monkeypatch.setattr(redis, "delete", fails_once)
+    failed = await send(any_api.client, "DELETE", f"/v1/admin/tokens/{token_id}", any_api.admin)
+    assert_problem(failed, 503)
+    retried = await send(any_api.client, "DELETE", f"/v1/admin/tokens/{token_id}", any_api.admin)
+    assert retried.status == 204, retried.data
+    assert_problem(await send(any_api.client, "GET", "/v1/questions", token), 401)
 
 
 async def test_token_routes_for_unknown_principals_and_tokens_are_404(any_api: Api) -> None:
