@@ -139,6 +139,21 @@ async def test_idle_stream_sends_heartbeat_comments(redis_server: RedisServer) -
         await client.close()
 
 
+async def test_a_stream_ends_when_its_token_is_revoked_and_sends_nothing_after(api: Api) -> None:
+    agent, _, _ = await people(api)
+    issued = await api.call("POST", "/v1/admin/principals/alice/tokens", api.admin)
+    token, token_id = issued.body["token"], issued.body["token_id"]
+    async with stream(api, token) as events:
+        await asyncio.sleep(0.1)
+        assert (await api.call("DELETE", f"/v1/admin/tokens/{token_id}", api.admin)).status == 204
+        await api.ask(agent, {"user": "alice"}, prompt="after the revoke")
+        async with asyncio.timeout(10):
+            rest = await events.content.read()  # to the end of the stream
+    assert b"after the revoke" not in rest
+    assert b"question.created" not in rest
+    assert (await api.call("GET", "/v1/events", token)).status == 401
+
+
 @dataclass
 class NoRelay:
     """The app with its own event relay off: the test plays the relays."""
