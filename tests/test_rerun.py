@@ -116,6 +116,24 @@ async def test_answer_rerun_with_the_same_call_id_reports_applied_and_changes_no
     assert events == ["question.created", "question.answered"]
 
 
+async def test_stale_taps_are_each_counted_while_their_remembered_call_ids_stay_bounded(
+    store: tuple[Redis, Scripts, QuestionStore], redis: Redis
+) -> None:
+    """A client tapping a resolved question in a loop sends a new call id each time: each counts
+    as one stale tap, but the set that remembers them (for retries) must not grow without end."""
+    _, _, qs = store
+    question_id = await created(qs)
+    assert (await qs.answer(question_id, "alice", "yes", [], new_call_id())).code is Code.APPLIED
+    calls = [new_call_id() for _ in range(1_500)]
+    for call_id in calls:
+        assert (await qs.answer(question_id, "alice", "no", [], call_id)).code is Code.STALE
+    assert (await qs.answer(question_id, "alice", "no", [], calls[-1])).code is Code.STALE  # a retry
+    assert (await stats_totals(redis, qs.keys.prefix))["stale"] == 1_500
+    remembered = await redis.scard(qs.keys.for_question(question_id).stale_calls)
+    assert 0 < remembered <= 1_000
+    assert 0 < await redis.pttl(qs.keys.for_question(question_id).stale_calls) <= 600_000
+
+
 async def test_cancel_rerun_with_the_same_call_id_reports_applied_and_changes_nothing(
     store: tuple[Redis, Scripts, QuestionStore], redis: Redis
 ) -> None:
