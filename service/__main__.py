@@ -230,8 +230,7 @@ async def admin(settings: Settings, args: argparse.Namespace) -> Any:
     try:
         if args.action == "create-principal":
             principal = Principal(args.id, Kind(args.kind), args.display_name)
-            await directory.create_principal(principal)
-            issued = await directory.issue_token(args.id)
+            issued = await directory.create_principal(principal)
             return {"principal": principal.public(), "token": issued.token, "token_id": issued.token_id}
         if args.action == "issue-token":
             issued = await directory.issue_token(args.id, args.expires_in)

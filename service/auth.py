@@ -83,9 +83,12 @@ class Directory:
 
     # -- principals -----------------------------------------------------------------------------
 
-    async def create_principal(self, principal: Principal) -> Principal:
+    async def create_principal(self, principal: Principal) -> IssuedToken:
+        """The principal and its first token, in one transaction: a failure leaves neither, so
+        the create can be retried (a principal without a token answered its retry with a 409)."""
         check_identifier(principal.id, "principal id")
         key = self.keys.principal(principal.id)
+        token, token_id = new_token()
 
         async def create(pipe: Pipeline) -> None:
             # EXISTS by name: redis-py 8.1's cluster pipeline splits exists() by slot and queues
@@ -102,9 +105,10 @@ class Directory:
                     "created_at": str(int(time.time())),
                 },
             )
+            self._queue_token(pipe, principal.id, token, token_id, None)
 
         await self.redis.transaction(create, key)
-        return principal
+        return IssuedToken(token, token_id, principal, None)
 
     async def principal(self, principal_id: str) -> Principal | None:
         if not IDENTIFIER.match(principal_id):
@@ -130,15 +134,20 @@ class Directory:
     async def issue_token(self, principal_id: str, expires_in: int | None = None) -> IssuedToken:
         principal = await self.require_principal(principal_id)
         token, token_id = new_token()
-        digest = hash_token(token)
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(self.keys.token(digest), mapping={"principal": principal.id, "id": token_id})
-            pipe.set(self.keys.token_id(token_id), digest)
-            if expires_in is not None:
-                pipe.expire(self.keys.token(digest), expires_in)
-                pipe.expire(self.keys.token_id(token_id), expires_in)
+            self._queue_token(pipe, principal.id, token, token_id, expires_in)
             await pipe.execute()
         return IssuedToken(token, token_id, principal, expires_in)
+
+    def _queue_token(
+        self, pipe: Pipeline, principal_id: str, token: str, token_id: str, expires_in: int | None
+    ) -> None:
+        digest = hash_token(token)
+        pipe.hset(self.keys.token(digest), mapping={"principal": principal_id, "id": token_id})
+        pipe.set(self.keys.token_id(token_id), digest)
+        if expires_in is not None:
+            pipe.expire(self.keys.token(digest), expires_in)
+            pipe.expire(self.keys.token_id(token_id), expires_in)
 
     async def revoke_token(self, reference: str) -> bool:
         """Revoke by token id, by its public prefix ``qs_<id>``, or by the whole token."""

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from service import auth as auth_module
 from service.http.appkeys import DIRECTORY, WAITERS
 from tests.api import Api
 from tests.conftest import ADMIN_TOKEN, start_client
@@ -970,6 +971,26 @@ async def test_a_revoke_that_failed_on_a_redis_error_can_be_retried_and_then_hol
     retried = await send(any_api.client, "DELETE", f"/v1/admin/tokens/{token_id}", any_api.admin)
     assert retried.status == 204, retried.data
     assert_problem(await send(any_api.client, "GET", "/v1/questions", token), 401)
+
+
+async def test_a_principal_create_that_failed_partway_leaves_nothing_and_its_retry_works(
+    any_api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The principal and its first token are written together: a create that failed before its
+    token existed must not leave a principal behind that turns the retry into a 409."""
+    real_new_token = auth_module.new_token
+
+    def fails_once() -> tuple[str, str]:
+        monkeypatch.setattr(auth_module, "new_token", real_new_token)
+        raise RedisConnectionError("Redis went away mid-create")
+
+    monkeypatch.setattr(auth_module, "new_token", fails_once)
+    body = {"id": "judy", "kind": "user"}
+    failed = await send(any_api.client, "POST", "/v1/admin/principals", any_api.admin, body=body)
+    assert_problem(failed, 503)
+    retried = await send(any_api.client, "POST", "/v1/admin/principals", any_api.admin, body=body)
+    assert retried.status == 201, retried.data
+    assert (await send(any_api.client, "GET", "/v1/questions", retried.body["token"])).status == 200
 
 
 async def test_token_routes_for_unknown_principals_and_tokens_are_404(any_api: Api) -> None:

@@ -384,9 +384,8 @@ def require_admin(request: web.Request) -> None:
 async def create_principal(request: web.Request) -> web.Response:
     require_admin(request)
     body = bodies.convert(await read_body(request), bodies.NewPrincipal)
-    directory = request.app[DIRECTORY]
-    principal = await directory.create_principal(Principal(body.id, Kind(body.kind), body.display_name))
-    issued = await directory.issue_token(principal.id)
+    principal = Principal(body.id, Kind(body.kind), body.display_name)
+    issued = await request.app[DIRECTORY].create_principal(principal)
     return respond(
         request,
         {"principal": principal.public(), "token": issued.token, "token_id": issued.token_id},
