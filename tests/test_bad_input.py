@@ -7,7 +7,9 @@ Runs against the real Redis (`api`): what is refused here is decided before any 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
+import zlib
 from datetime import timedelta
 from typing import Any
 
@@ -590,6 +592,33 @@ async def test_a_body_that_does_not_match_its_content_encoding_is_400(cast: Cast
         content_type="application/json",
         headers={"Content-Encoding": "gzip"},
     )
+
+
+@pytest.mark.parametrize("coding", ["zz", "compress", "gzip, zz"])
+async def test_a_content_encoding_the_service_cannot_decode_is_415_not_read_as_plain(
+    cast: Cast, coding: str
+) -> None:
+    """aiohttp passes an unknown coding through undecoded; the body was then read as if plain."""
+    await refused(
+        cast.api,
+        415,
+        "POST",
+        "/v1/questions",
+        cast.agent,
+        raw=json.dumps(question_body(ALICE)).encode(),
+        content_type="application/json",
+        headers={"Content-Encoding": coding},
+    )
+
+
+@pytest.mark.parametrize("coding", ["identity", "GZIP", "deflate"])
+async def test_the_content_encodings_aiohttp_decodes_are_read(cast: Cast, coding: str) -> None:
+    raw = json.dumps(question_body(ALICE)).encode()
+    compressed = {"identity": raw, "GZIP": gzip.compress(raw), "deflate": zlib.compress(raw)}[coding]
+    reply = await cast.api.call(
+        "POST", "/v1/questions", cast.agent, raw=compressed, headers={"Content-Encoding": coding}
+    )
+    assert reply.status == 201, reply.body
 
 
 @pytest.mark.parametrize(

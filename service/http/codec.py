@@ -60,11 +60,21 @@ def decode(raw: bytes, content_type: str) -> Any:
     raise UnsupportedMediaType(f"cannot read {content_type or 'a body without Content-Type'}")
 
 
+# The codings aiohttp decodes without optional packages (br and zstd need them).
+BODY_CODINGS = frozenset({"", "identity", "gzip", "deflate"})
+
+
 async def read_body(request: web.Request, *, optional: bool = False) -> Any:
     """The decoded body; for an absent body, {} when the route allows that, else a 400.
     A body that trickles in (slowloris) is cut off after QS_BODY_TIMEOUT_SECONDS with a 408,
     so a client cannot hold a handler for as long as it likes."""
     settings = request.app[SETTINGS]
+    coding = request.headers.get("Content-Encoding", "").strip().lower()
+    if coding not in BODY_CODINGS:
+        # aiohttp passes a coding it does not know through undecoded, as if it were identity.
+        raise UnsupportedMediaType(
+            f"Content-Encoding {coding!r} is not supported: send identity, gzip or deflate"
+        )
     try:
         if request.content.is_eof():  # the whole body came with the headers: no timer to arm
             raw = await request.read()
