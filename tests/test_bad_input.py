@@ -482,6 +482,8 @@ BAD_QUERIES = {
     "create-unknown-param": ("POST", "/v1/questions?dry_run=1", "agent"),
     "answer-unknown-param": ("POST", "/v1/questions/{q}/answer?dry_run=1", "alice"),
     "cancel-unknown-param": ("POST", "/v1/questions/{q}/cancel?dry_run=1", "agent"),
+    "list-repeated-limit": ("GET", "/v1/questions?limit=1&limit=500", "agent"),
+    "wait-repeated-timeout": ("GET", "/v1/questions/{q}/wait?timeout=0&timeout=30", "agent"),
 }
 
 

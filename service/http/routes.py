@@ -86,6 +86,10 @@ def check_query(request: web.Request) -> None:
     unknown = set(request.query) - allowed
     if unknown:
         raise Invalid(f"unknown query parameters {sorted(unknown)}; allowed: {sorted(allowed)}")
+    if len(request.query) > len(set(request.query)):
+        # Every parameter takes one value; which of two would win is not a thing to guess.
+        repeated = sorted({name for name in request.query if len(request.query.getall(name)) > 1})
+        raise Invalid(f"query parameters {repeated} are given more than once")
 
 
 def outcome_reply(outcome: Outcome) -> dict[str, Any]:
