@@ -69,12 +69,14 @@ class OutboundPolicy:
         try:
             parts = urlsplit(url)
             host = parts.hostname
-            _ = parts.port  # read now: an out-of-range port is refused here, not at delivery
+            port = parts.port  # read now: an out-of-range port is refused here, not at delivery
             sent_host = URL(url).raw_host or ""  # the host as delivery will send it (IDNA)
         except ValueError as exc:  # a bad [IPv6] host or port
             raise Invalid(f"the URL does not parse: {exc}") from exc
         if parts.scheme not in ("http", "https") or not host:
             raise Invalid("the URL must be http:// or https:// with a host")
+        if port == 0:
+            raise Invalid("the URL's port must be 1-65535")
         if parts.username or parts.password:
             raise Invalid("the URL must not carry credentials")
         literal = _literal_address(host)

@@ -152,6 +152,7 @@ async def test_registration_shows_the_secret_once_lists_without_it_rotates_and_d
         {"url": "https://exa%41mple.com/x", "events": ["question.answered"]},
         {"url": "https://example..com/x", "events": ["question.answered"]},
         {"url": "https://" + "a" * 64 + ".com/x", "events": ["question.answered"]},
+        {"url": "https://example.com:0/x", "events": ["question.answered"]},
     ],
 )
 async def test_registration_refuses_bad_and_private_urls_by_default(
