@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -324,6 +325,10 @@ def metadata_json(body: Ask) -> str:
     return encoded
 
 
+# RFC 3339 section 5.6; the offset is optional here only so that its absence gets its own message.
+_RFC3339 = re.compile(r"^\d{4}-\d{2}-\d{2}[Tt]\d{2}:\d{2}:\d{2}(?:\.\d{1,9})?(?:[Zz]|[+-]\d{2}:\d{2})?\Z")
+
+
 def deadline_ms(body: Ask) -> int:
     """The absolute deadline in ms, or 0 when `expires_in` is used. Its distance from Redis TIME
     is checked inside the create script: the service host's clock decides nothing."""
@@ -332,9 +337,12 @@ def deadline_ms(body: Ask) -> int:
     if body.expires_at is None:
         return 0
     try:
+        if not _RFC3339.match(body.expires_at):
+            # fromisoformat alone also takes ISO 8601 forms RFC 3339 does not (no seconds, basic).
+            raise ValueError(body.expires_at)
         moment = datetime.fromisoformat(body.expires_at)
     except ValueError as exc:
-        raise Invalid("expires_at must be an RFC 3339 timestamp") from exc
+        raise Invalid("expires_at must be an RFC 3339 timestamp, like 2030-01-31T09:30:00Z") from exc
     if moment.tzinfo is None:
         raise Invalid("expires_at must carry a timezone offset (for example Z)")
     return int(moment.timestamp() * 1000)

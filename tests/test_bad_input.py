@@ -217,6 +217,11 @@ INVALID_ASKS: dict[str, dict[str, Any]] = {
     "expires-at-far-future": {"expires_in": ..., "expires_at": "9999-12-31T23:59:59.999Z"},
     "expires-at-not-a-date": {"expires_in": ..., "expires_at": "tomorrow"},
     "expires-at-date-only": {"expires_in": ..., "expires_at": "2031-01-01"},
+    "expires-at-without-seconds": {"expires_in": ..., "expires_at": in_days(1)[:16] + "Z"},
+    "expires-at-basic-format": {
+        "expires_in": ...,
+        "expires_at": (now_utc() + timedelta(days=1)).strftime("%Y%m%dT%H%M%SZ"),
+    },
     "expires-in-and-expires-at": {"expires_at": in_days(1)},
     "neither-expires-in-nor-at": {"expires_in": ...},
     "metadata-over-8-KiB": {"metadata": {"blob": "m" * (8 * 1024)}},
