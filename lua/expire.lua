@@ -1,9 +1,10 @@
-#!lua
+#!lua flags=allow-oom
 --[[
   expire: expire the question if its deadline has passed; in every case report where it stands.
   Fetch, list and wait read through this script (the sweeper and the keyspace-event listener
   through expire_many.lua, which decides the same way), so no path can show a pending question
-  after its deadline.
+  after its deadline. flags=allow-oom: a full Redis (maxmemory, noeviction) still serves reads
+  and still ends questions at their deadline; an expiry adds one outbox entry.
 
   From-states: pending and overdue -> expired. pending and not yet due, answered, expired,
   cancelled: nothing changes.

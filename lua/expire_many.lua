@@ -1,8 +1,9 @@
-#!lua
+#!lua flags=allow-oom
 --[[
   expire_many: the sweeper's expiry of many questions of one bucket in one call; for each, what
   expire.lua would decide. One call per question cost Redis more in calling the script than in
-  the expiry itself (a 100,000-question sweep: docs/benchmarks.md).
+  the expiry itself (a 100,000-question sweep: docs/benchmarks.md). flags=allow-oom, as
+  expire.lua: deadlines are kept while Redis is full.
 
   From-states: pending and overdue -> expired. pending and not yet due, answered, expired,
   cancelled: nothing changes.

@@ -13,7 +13,15 @@ from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff, NoBackoff
-from redis.exceptions import ClusterDownError, SlotNotCoveredError, TryAgainError
+from redis.exceptions import (
+    ClusterDownError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisClusterUnreachableError,
+    ResponseError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -38,6 +46,27 @@ FAILOVER_ERRORS = (
     AttributeError,
 )
 T = TypeVar("T")
+# Error replies of a Redis that is there but refuses for now (out of memory, a read-only replica,
+# a busy script, loading, a cluster without quorum or mid-resharding): an outage, not a bug.
+# redis-py strips the code from the message; it keeps it as status_code.
+REFUSAL_CODES = frozenset(
+    {"OOM", "MISCONF", "NOREPLICAS", "READONLY", "BUSY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN"}
+)
+REFUSALS = (OutOfMemoryError, ReadOnlyError, ClusterDownError, TryAgainError)
+# Every error that means "Redis is unreachable or refusing for now": a 503 with Retry-After.
+OUTAGES = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    OSError,
+    SlotNotCoveredError,
+    RedisClusterUnreachableError,
+    *REFUSALS,
+)
+
+
+def refused_for_now(exc: ResponseError) -> bool:
+    code = getattr(exc, "status_code", None) or str(exc).partition(" ")[0]
+    return isinstance(exc, REFUSALS) or code in REFUSAL_CODES
 
 
 def connect(settings: Settings) -> Redis:

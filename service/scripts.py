@@ -23,7 +23,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from service.coalesce import Coalescer, Durability
 from service.errors import Unavailable
-from service.redis_client import is_cluster
+from service.redis_client import is_cluster, refused_for_now
 
 if TYPE_CHECKING:
     from service.metrics import Metrics
@@ -191,13 +191,10 @@ class LuaScript:
         return [named[n] for n in self.arg_names]
 
 
-UNAVAILABLE = ("OOM", "MISCONF", "NOREPLICAS", "READONLY", "BUSY", "LOADING", "MASTERDOWN", "CLUSTERDOWN")
-
-
 def refusal(name: str, exc: ResponseError) -> Exception:
     """Redis refusing writes (out of memory, read-only replica, ...) is an outage, not misuse."""
-    if str(exc).startswith(UNAVAILABLE):
-        return Unavailable(f"Redis refused the write: {exc}")
+    if refused_for_now(exc):
+        return Unavailable(f"Redis refused the call: {exc}")
     return ScriptMisuse(f"{name}.lua: {exc}")
 
 

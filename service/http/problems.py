@@ -7,13 +7,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
-from redis.exceptions import BusyLoadingError, ReadOnlyError
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import ResponseError
 
 from service import errors
 from service.http.codec import PROBLEM
 from service.model import to_json
+from service.redis_client import OUTAGES, refused_for_now
 
 log = logging.getLogger(__name__)
 PROBLEM_BASE = "https://question-service.invalid/problems/"
@@ -33,7 +32,7 @@ STATUS: dict[type[errors.ServiceError], int] = {
     errors.Invalid: 422,
     errors.Unavailable: 503,
 }
-STORE_DOWN = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, ReadOnlyError, OSError)
+STORE_DOWN = OUTAGES
 
 
 def problem(
@@ -82,11 +81,23 @@ async def problem_middleware(request: web.Request, handler: Handler) -> web.Stre
             raise
         return problem(exc.status, exc.reason, exc.text or exc.reason, headers=_allow(exc))
     except STORE_DOWN as exc:
-        log.warning("store unavailable on %s %s: %s", request.method, request.path, exc)
-        return from_service_error(errors.Unavailable("Redis is unreachable or not ready"))
+        return store_down(request, exc)
+    except ResponseError as exc:
+        if refused_for_now(exc):  # MISCONF, NOREPLICAS, BUSY: no class of their own
+            return store_down(request, exc)
+        return unhandled(request)
     except Exception:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return problem(500, "Internal Server Error", "an unexpected error was logged")
+        return unhandled(request)
+
+
+def store_down(request: web.Request, exc: Exception) -> web.Response:
+    log.warning("store unavailable on %s %s: %r", request.method, request.path, exc)
+    return from_service_error(errors.Unavailable("Redis is unreachable or not ready"))
+
+
+def unhandled(request: web.Request) -> web.Response:
+    log.exception("unhandled error on %s %s", request.method, request.path)
+    return problem(500, "Internal Server Error", "an unexpected error was logged")
 
 
 def _allow(exc: web.HTTPException) -> dict[str, str]:
