@@ -69,7 +69,9 @@ def header_of(name: str) -> str:
     text = (lua_dir() / f"{name}.lua").read_text()
     match = re.search(r"--\[\[\n(.*?)\n\]\]", text, re.DOTALL)
     assert match, f"{name}.lua does not open with a --[[ ... ]] header"
-    assert text.index("--[[") < 20, f"{name}.lua: the header must come first (after #!lua)"
+    shebang, _, rest = text.partition("\n")
+    assert re.fullmatch(r"#!lua( flags=[a-z,-]+)?", shebang), f"{name}.lua: the first line must be #!lua"
+    assert rest.startswith("--[["), f"{name}.lua: the header must come first (after #!lua)"
     return match.group(1)
 
 
