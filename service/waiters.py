@@ -362,9 +362,27 @@ class Waiters:
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 await backoff.failed(exc)
                 continue
+            except Exception as exc:
+                # redis-py's reconnect racing this read: "read() called while another coroutine
+                # is already waiting", or a reply to its handshake read here. This reader is
+                # every waiter's only way to wake, so it must not end: start the connection over.
+                log.warning("waiters pub/sub read failed, reconnecting: %r", exc)
+                await self._start_over()
+                await backoff.failed(exc)
+                continue
             backoff.succeeded()
             if message is not None:
                 self._dispatch_one(message)
+
+    async def _start_over(self) -> None:
+        """Drop the pub/sub connections, whose state is unknown. The next read reconnects, and
+        redis-py resubscribes every channel: each confirmation re-reads its question."""
+        pubsubs = (
+            [self._pubsub] if self._sharded is None else list(self._sharded.node_pubsub_mapping.values())
+        )
+        for pubsub in pubsubs:
+            if pubsub.connection is not None:
+                await pubsub.connection.disconnect()
 
     def _dispatch_one(self, message: dict[str, Any]) -> None:
         """Anything may PUBLISH on a question channel (an operator's redis-cli, an older

@@ -506,3 +506,38 @@ async def test_a_wait_cancelled_while_its_subscribe_absorbs_the_cancel_still_end
         async with asyncio.timeout(5):  # not the wait's 30 s
             await wait
     await until_unsubscribed(client, redis, client.server.app[STORE].channel(question_id))
+
+
+async def test_an_unexpected_error_in_the_pubsub_read_does_not_end_the_reader(
+    long_wait_client: TestClient[object, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """redis-py's reconnect racing the reader's read raises what a dropped connection does not
+    ("read() called while another coroutine is already waiting", a handshake reply). The reader
+    is every waiter's only way to wake: it starts the connection over and reads on."""
+    client = long_wait_client
+    api = Api(client, ADMIN_TOKEN)
+    waiters = client.server.app[WAITERS]
+    agent = await api.principal("agent", "agent")
+    alice = await api.principal("alice", "user")
+    earlier = (await api.ask(agent, {"user": "alice"}))["id"]
+    parked = asyncio.create_task(api.wait(agent, earlier, 30))  # subscribed before the failure
+    await until_waiting(client, 1, [parked])
+    plain_next = waiters._next_message
+    failed = asyncio.Event()
+
+    async def racing_read() -> Any:
+        if not failed.is_set():
+            failed.set()
+            raise RuntimeError("read() called while another coroutine is already waiting for incoming data")
+        return await plain_next()
+
+    monkeypatch.setattr(waiters, "_next_message", racing_read)
+    await asyncio.wait_for(failed.wait(), 5)
+    later = (await api.ask(agent, {"user": "alice"}))["id"]
+    waiting = asyncio.create_task(api.wait(agent, later, 30))
+    answers = [await api.answer(alice, q, "yes") for q in (earlier, later)]
+    async with asyncio.timeout(10):  # not the waits' 30 s
+        woken = [await parked, await waiting]
+    assert [w.body for w in woken] == [a.body["question"] for a in answers]
+    assert waiters._reader is not None
+    assert not waiters._reader.done()
