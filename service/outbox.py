@@ -16,7 +16,7 @@ import asyncio
 import os
 import secrets
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from redis.asyncio import Redis
@@ -63,11 +63,14 @@ class OutboxConsumer(abc.ABC):
 
     async def ensure_groups(self) -> None:
         for b in range(BUCKETS):
-            try:
-                await self.redis.xgroup_create(self.keys.outbox(b), self.group, id="0", mkstream=True)
-            except ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
+            await self.ensure_group(b)
+
+    async def ensure_group(self, b: int) -> None:
+        try:
+            await self.redis.xgroup_create(self.keys.outbox(b), self.group, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
 
     async def run(self) -> None:
         """Consume until stopped or cancelled; after any failure, log it and go on."""
@@ -110,6 +113,7 @@ class OutboxConsumer(abc.ABC):
                 if read:
                     await self.consume(read)
             except RedisError as exc:
+                await self._group_again_if_lost(exc, [b])
                 await backoff.failed(exc)
                 continue
             backoff.succeeded()
@@ -120,10 +124,20 @@ class OutboxConsumer(abc.ABC):
             try:
                 await self.reclaim()
             except RedisError as exc:
+                await self._group_again_if_lost(exc, range(BUCKETS))
                 await backoff.failed(exc)
                 continue
             backoff.succeeded()
             await asyncio.sleep(self.reclaim_idle_ms / 3000)
+
+    async def _group_again_if_lost(self, exc: RedisError, buckets: Iterable[int]) -> None:
+        """An outbox lost with its group (a primary restarted without persistence, a FLUSHALL;
+        the next create's XADD makes the stream again, without the group): NOGROUP on every read
+        until the group is made again. On one Redis the error ends the loop, and keep_running's
+        restart makes every group; on a cluster each bucket's loop goes on, so it is done here."""
+        if isinstance(exc, ResponseError) and "NOGROUP" in str(exc):
+            for b in buckets:
+                await self.ensure_group(b)
 
     async def reclaim(self) -> None:
         """Take over what a dead consumer of this group left unacknowledged for too long."""

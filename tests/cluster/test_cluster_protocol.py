@@ -13,6 +13,7 @@ from redis.crc import key_slot
 
 from service.coalesce import Coalescer
 from service.http.appkeys import EVENT_HUB, LISTENER, REDIS, SCRIPTS, STORE, WAITERS
+from service.keys import BUCKETS
 from service.redis_client import as_cluster
 from tests.api import Api
 from tests.cluster.cluster_server import ClusterServer
@@ -226,6 +227,28 @@ async def test_event_relay_and_hub_deliver_every_event_from_every_bucket(
         assert all(kinds == ["question.created", "question.resolved"] for kinds in seen.values()), seen
     finally:
         hub.unsubscribe(subscriber)
+
+
+async def test_the_relay_makes_its_group_again_when_the_outboxes_are_lost(
+    cluster_client: TestClient[object, object], cluster_api: Api
+) -> None:
+    """A primary restarted without persistence (or a FLUSHALL) loses the outboxes with their
+    consumer groups; the next create's XADD makes the stream again, without the group. Each
+    bucket's reader on a cluster goes on after an error, so it must make the group again itself:
+    it read NOGROUP forever, and no event reached anyone until the process restarted."""
+    tokens = await setup_people(cluster_api)
+    redis, keys = cluster_client.server.app[REDIS], cluster_client.server.app[STORE].keys
+    alice_events = keys.events("alice")
+
+    async def relayed(count: int) -> bool:
+        return bool(await redis.xlen(alice_events) == count)
+
+    await ask_many(cluster_api, tokens["agent"], 1)
+    await eventually(lambda: relayed(1), within=10, what="the first event")
+    for b in range(BUCKETS):
+        await redis.delete(keys.outbox(b))
+    await ask_many(cluster_api, tokens["agent"], 5)
+    await eventually(lambda: relayed(6), within=20, what="the events after the loss")
 
 
 async def test_noscript_on_every_primary_is_recovered_not_surfaced(
