@@ -4,7 +4,9 @@
 
   From-states: pending -> delivered (a 2xx), pending -> pending (failed, retried after ARGV[6]),
   pending -> dead (failed and no retry left). delivered | dead: nothing changes (another worker
-  settled it after a lease ran out).
+  settled it after a lease ran out). A re-run of the same call (ARGV[9]: redis-py resends a
+  script whose reply was lost) reports what the first run did and changes nothing: counted
+  twice, an attempt would cut the delivery's retries short.
 
   Input:
     KEYS[1] delivery         (HASH)
@@ -18,9 +20,10 @@
     ARGV[6] retry in         ms until the next attempt, '' when this was the last
     ARGV[7] retention        ms a delivered or dead record stays readable
     ARGV[8] history cap      most attempts kept in the record
+    ARGV[9] call id          unique per attempt settled
 
   Output:
-    {'applied', fields}      the record after this attempt (HGETALL)
+    {'applied', fields}      the record after this attempt (HGETALL); also for a re-run
     {'stale', fields}        already delivered or dead; nothing changed
     {'not_found'}            no such delivery (expired after its retention)
 
@@ -33,6 +36,9 @@ local status = redis.call('HGET', KEYS[1], 'status')
 if not status then
   return {'not_found'}
 end
+if redis.call('HGET', KEYS[1], 'settle_call') == ARGV[9] then
+  return {'applied', redis.call('HGETALL', KEYS[1])}
+end
 if status ~= 'pending' then
   return {'stale', redis.call('HGETALL', KEYS[1])}
 end
@@ -43,7 +49,7 @@ table.insert(history, {at_ms = now, status = tonumber(ARGV[3]), error = ARGV[4],
 while #history > tonumber(ARGV[8]) do
   table.remove(history, 1)
 end
-redis.call('HSET', KEYS[1], 'history', cjson.encode(history), 'last_ms', now)
+redis.call('HSET', KEYS[1], 'history', cjson.encode(history), 'last_ms', now, 'settle_call', ARGV[9])
 if ARGV[2] == '1' then
   redis.call('HSET', KEYS[1], 'status', 'delivered', 'next_ms', '')
   redis.call('ZREM', KEYS[2], ARGV[1])

@@ -41,6 +41,7 @@ from service.outbox import OutboxConsumer, Read
 from service.pings import ChannelRegistry, ServerKeys, build_ping, parse_ref, send_ping
 from service.scripts import Code, Scripts, pairs_to_fields
 from service.settings import Settings
+from service.store import new_call_id
 from service.webhooks import WebhookRegistry
 
 log = logging.getLogger(__name__)
@@ -192,6 +193,7 @@ class DeliveryStore:
                 "retry in": "" if retry_in_ms is None else retry_in_ms,
                 "retention": self.retention_ms,
                 "history cap": HISTORY_CAP,
+                "call id": new_call_id(),
             },
         )
         return reply.code

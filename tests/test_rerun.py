@@ -4,14 +4,17 @@ And NOSCRIPT: after SCRIPT FLUSH every path loads its scripts again by itself.""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 
 import pytest
 from redis.asyncio import Redis
 
+from service.delivery import Delivery, DeliveryStore
 from service.http.appkeys import STORE, SWEEPER
 from service.keys import bucket_of
 from service.model import envelope
+from service.outbound import Attempt
 from service.scripts import Code, Reply, ScriptMisuse, Scripts, VariadicCall
 from service.settings import Settings
 from service.store import QuestionStore, new_call_id
@@ -360,3 +363,27 @@ async def test_sweeper_expires_after_script_flush(redis_server: RedisServer, red
         assert (await stats_totals(redis, settings.key_prefix))["expired"] == 1
     finally:
         await client.close()
+
+
+async def test_settle_rerun_with_the_same_call_id_counts_the_attempt_once(
+    store: tuple[Redis, Scripts, QuestionStore], redis: Redis
+) -> None:
+    """redis-py resends a script whose reply was lost; counted twice, one failed attempt would
+    cut the delivery's retries short (the next step of the schedule is picked by the count)."""
+    _, scripts, qs = store
+    question_id = await created(qs)
+    b = bucket_of(question_id)
+    fields = {"id": "msg_1", "webhook": "wh_1", "url": "https://example.com/hook", "type": "question.created",
+              "body": "{}", "attempts": "0", "status": "pending", "question": question_id,
+              "history": "[]", "created_ms": "1"}  # fmt: skip
+    await redis.hset(qs.keys.delivery(b, "msg_1"), mapping=fields)
+    deliveries = DeliveryStore(redis, scripts, qs.keys, retention_ms=60_000)
+    recorder = Recorder(scripts)
+    first = await deliveries.settle(Delivery.from_hash(fields), Attempt(503, "HTTP 503", 12), 5_000)
+    before = await snapshot(redis, qs.keys.prefix)
+    second = await recorder.rerun_last()
+    assert (first, second.code) == (Code.APPLIED, Code.APPLIED)
+    assert await snapshot(redis, qs.keys.prefix) == before
+    record = await redis.hgetall(qs.keys.delivery(b, "msg_1"))
+    assert record["attempts"] == "1"
+    assert len(json.loads(record["history"])) == 1
