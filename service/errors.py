@@ -54,6 +54,10 @@ class BodyTimeout(ServiceError):
     slug, title = "body-timeout", "The request body did not arrive in time"
 
 
+class TooManyStreams(ServiceError):
+    slug, title = "too-many-streams", "Too many open event streams for this principal"
+
+
 class UnsupportedMediaType(ServiceError):
     slug, title = "unsupported-media-type", "Send application/json or application/msgpack"
 

@@ -154,6 +154,9 @@ class EventHub:
             for subscriber in subscribers:
                 subscriber.queue.put_nowait(None)
 
+    def streams_of(self, principal: str) -> int:
+        return len(self._subscribers.get(self.keys.events(principal), ()))
+
     async def latest_id(self, principal: str) -> str:
         newest = await self.redis.xrevrange(self.keys.events(principal), "+", "-", count=1)
         return str(newest[0][0]) if newest else "0-0"

@@ -93,6 +93,13 @@ class Settings:
     sse_heartbeat_seconds: float = field(
         default=15.0, metadata=_doc("Idle time after which an event stream sends a comment line.")
     )
+    sse_streams_per_principal: int = field(
+        default=10,
+        metadata=_doc(
+            "Most open `GET /v1/events` streams of one principal in one process; one more is a "
+            "`429 too-many-streams`. Each holds a socket for as long as its client stays."
+        ),
+    )
     wait_replicas: int = field(
         default=0,
         metadata=_doc(
@@ -199,6 +206,8 @@ class Settings:
             raise SettingsError("timeouts must be positive and the auth cache non-negative")
         if self.events_maxlen < 100 or self.sse_heartbeat_seconds <= 0:
             raise SettingsError("QS_EVENTS_MAXLEN must be >= 100 and the SSE heartbeat positive")
+        if self.sse_streams_per_principal < 1:
+            raise SettingsError("QS_SSE_STREAMS_PER_PRINCIPAL must be at least 1")
         if self.outbox_maxlen < 1000:
             raise SettingsError("QS_OUTBOX_MAXLEN must be at least 1000")
         self.validate_delivery()

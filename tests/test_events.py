@@ -340,3 +340,26 @@ async def test_events_for_a_big_room_are_appended_in_bounded_round_trips(
     assert max(sizes) <= RUN_ALL_BATCH
     for member in ("m0", "m777", "m1499"):
         assert await redis.xlen(keys.events(member)) == 2
+
+
+async def test_a_principal_beyond_its_open_stream_limit_gets_429_and_one_closing_frees_a_place(
+    redis_server: RedisServer,
+) -> None:
+    client: TestClient[object, object] = await start_client(
+        test_settings(redis_server.url, sse_streams_per_principal=2)
+    )
+    try:
+        api = Api(client, ADMIN_TOKEN)
+        _, alice, bob = await people(api)
+        async with stream(api, alice), stream(api, alice) as second:
+            refused = await api.call("GET", "/v1/events", alice)
+            assert refused.status == 429
+            assert refused.body["type"].endswith("/too-many-streams")
+            async with stream(api, bob):  # the limit is per principal
+                pass
+            second.close()
+            await asyncio.sleep(0.2)  # the server notices the closed connection
+            async with stream(api, alice):
+                pass
+    finally:
+        await client.close()

@@ -30,6 +30,7 @@ STATUS: dict[type[errors.ServiceError], int] = {
     errors.TooLarge: 413,
     errors.UnsupportedMediaType: 415,
     errors.Invalid: 422,
+    errors.TooManyStreams: 429,
     errors.Unavailable: 503,
 }
 STORE_DOWN = OUTAGES

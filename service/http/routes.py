@@ -17,6 +17,7 @@ from service.errors import (
     IdentityInBody,
     Invalid,
     NotFound,
+    TooManyStreams,
     Unauthenticated,
     Unavailable,
 )
@@ -247,6 +248,9 @@ async def events(request: web.Request) -> web.StreamResponse:
     if last is not None and not valid_stream_id(last):
         raise Invalid("Last-Event-ID must be an id this stream sent (like 1700000000000-0)")
     position = last if last is not None else await hub.latest_id(principal.id)
+    limit = request.app[SETTINGS].sse_streams_per_principal
+    if hub.streams_of(principal.id) >= limit:  # checked and taken with no await between
+        raise TooManyStreams(f"{principal.id!r} has {limit} open event streams in this process; close one")
     subscriber = hub.subscribe(principal.id, position)
     heartbeat = request.app[SETTINGS].sse_heartbeat_seconds
     token, directory = bearer_token(request), request.app[DIRECTORY]
