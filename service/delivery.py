@@ -41,7 +41,7 @@ from service.outbox import OutboxConsumer, Read
 from service.pings import ChannelRegistry, ServerKeys, build_ping, parse_ref, send_ping
 from service.scripts import Code, Scripts, pairs_to_fields
 from service.settings import Settings
-from service.store import new_call_id
+from service.store import QuestionStore, new_call_id
 from service.webhooks import WebhookRegistry
 
 log = logging.getLogger(__name__)
@@ -260,6 +260,7 @@ class PingContext:
     public_url: str
     vapid_subject: str
     retention_seconds: int
+    questions: QuestionStore  # reads expire an overdue question, so a Ping shows no stale buttons
 
 
 class OutboxFanout(OutboxConsumer):
@@ -444,11 +445,12 @@ class DeliverySender:
         channel = await self.pings.channels.get(user, name)
         if channel is None:
             return Attempt(0, "the channel was deleted", 0), True
-        raw: Any = await self.pings.redis.hgetall(self.pings.keys.for_question(delivery.question).question)
-        if not raw:
+        question = await self.pings.questions.read(delivery.question)
+        if question is None:
             return Attempt(0, "the question is gone (retention)", 0), True
         key = await self.pings.server_keys.action_key()
-        ping = await build_ping(raw, user, self.pings.public_url, key, envelope(raw))
+        fields = question.fields
+        ping = await build_ping(fields, user, self.pings.public_url, key, envelope(fields))
         attempt = await send_ping(
             session,
             self.policy,
@@ -488,6 +490,7 @@ class DeliveryWorkers:
             settings.base_url,
             settings.vapid_subject,
             settings.retention_seconds,
+            QuestionStore(redis, scripts, settings),
         )
         self.fanout = OutboxFanout(self.store, self.registry, pings, blocking=blocking)
         self.sender = DeliverySender(

@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 import http_ece
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -49,22 +50,33 @@ async def receivers() -> AsyncIterator[RecordingReceiver]:
         yield rec
 
 
-@pytest.fixture
-async def service(redis_server: RedisServer) -> AsyncIterator[tuple[Api, Settings]]:
+@contextlib.asynccontextmanager
+async def running_service(redis_server: RedisServer, **changes: Any) -> AsyncIterator[tuple[Api, Settings]]:
     """The service on a fixed port, so its Pings can name their own action links."""
     port = free_port()
     settings = test_settings(
         redis_server.url,
-        outbound_allow_nets="127.0.0.0/8",
-        webhook_retry_schedule="0.1,0.1",
-        webhook_timeout_seconds=1.0,
-        delivery_lease_seconds=3.0,
-        public_url=f"http://127.0.0.1:{port}",
+        **{
+            "outbound_allow_nets": "127.0.0.0/8",
+            "webhook_retry_schedule": "0.1,0.1",
+            "webhook_timeout_seconds": 1.0,
+            "delivery_lease_seconds": 3.0,
+            "public_url": f"http://127.0.0.1:{port}",
+            **changes,
+        },
     )
     client: TestClient[object, object] = TestClient(TestServer(create_app(settings), port=port))
     await client.start_server()
-    yield Api(client, ADMIN_TOKEN), settings
-    await close_client(client)
+    try:
+        yield Api(client, ADMIN_TOKEN), settings
+    finally:
+        await close_client(client)
+
+
+@pytest.fixture
+async def service(redis_server: RedisServer) -> AsyncIterator[tuple[Api, Settings]]:
+    async with running_service(redis_server) as running:
+        yield running
 
 
 @dataclass
@@ -236,6 +248,26 @@ async def test_a_ping_reaches_every_channel_with_working_buttons_and_is_withdraw
     assert ended["type"] == "question.resolved"
     assert ended["data"]["question"] == final
     assert "actions" not in ended["data"]
+
+
+async def test_a_ping_sent_after_the_deadline_but_before_any_sweep_offers_no_buttons(
+    redis_server: RedisServer, receivers: RecordingReceiver
+) -> None:
+    """The Ping is built from the question as a read sees it (expired on the spot once overdue),
+    not from the raw hash, which still says pending until a sweep: no live buttons after the end."""
+
+    async def first_fails(n: int) -> web.Response:
+        return web.Response(status=503 if n == 1 else 200)
+
+    receivers.reply = first_fails
+    quiet = {"run_sweeper": False, "keyspace_notifications": False}  # nothing expires it but a read
+    async with running_service(redis_server, webhook_retry_schedule="2", **quiet) as (api, _):
+        agent = await agent_and_alice_with_a_phone(api, receivers)
+        question = await api.ask(agent, {"user": "alice"}, expires_in=1)
+        first, retried = await receivers.at("/ntfy", 2)
+    assert ACTION_URL.findall(first.headers["Actions"])  # sent while pending (refused)
+    assert "Actions" not in retried.headers  # sent 1.6-2.4 s later: past the 1 s deadline
+    assert retried.headers["X-Sequence-ID"] == question["id"]
 
 
 async def test_replayed_and_forged_action_links_are_refused_and_change_nothing(
