@@ -226,6 +226,18 @@ class QuestionService:
             raise Invalid(f"{option!r} is not one of this question's options")
         return outcome_of(question_id, reply)
 
+    async def answer_by_link(self, user: Principal, question_id: str, option: str, key: str) -> Outcome:
+        """A Ping's signed link proves its user was asked. Once the question has ended, the tap
+        shows how (applied: false), also to a user who has left its room meanwhile: a stale tap
+        is not an error. While it is pending, the user must be eligible now."""
+        try:
+            return await self.answer(user, question_id, option, key)
+        except NotFound:
+            question = await self.store.read(question_id)
+            if question is None or not question.state.terminal:
+                raise
+            return Outcome(False, question)
+
     async def _answer_as(self, user: Principal, question_id: str, option: str, call_id: str) -> Reply:
         """Answer with the room membership this question needs, read just before the script.
         A question whose target this process does not know yet is first tried as a direct

@@ -388,6 +388,27 @@ async def test_a_room_link_refused_while_its_user_was_out_of_the_room_works_once
     assert answered.body["question"]["answer"]["responder"] == "bob"
 
 
+async def test_a_stale_room_link_shows_how_the_question_ended_even_after_its_user_left_the_room(
+    service: tuple[Api, Settings], receivers: RecordingReceiver
+) -> None:
+    """The signed link proves bob was asked. Once carol has answered, his late tap is not an
+    error, also after he left the room: 200 applied false with the ended question (it was 404)."""
+    api, _ = service
+    bob = await api.principal("bob", "user")
+    carol = await api.principal("carol", "user")
+    agent = await api.principal("deploybot", "agent")
+    await api.room("ops", ["bob", "carol"])
+    await put_channel(api, bob, "phone", {"kind": "ntfy", "url": f"{receivers.base}/ntfy"})
+    question = await api.ask(agent, {"room": "ops"})
+    yes = ACTION_URL.findall((await receivers.at("/ntfy", 1))[0].headers["Actions"])[0]
+    answered = await api.answer(carol, question["id"], "no")
+    await api.room("ops", ["carol"])
+
+    late = await post_action(api, yes)
+    assert late.status == 200, late.body
+    assert late.body == {"applied": False, "question": answered.body["question"]}
+
+
 @pytest.mark.parametrize("ending", ["cancel", "expire"])
 async def test_a_room_question_pings_every_member_and_is_withdrawn_when_it_ends(
     service: tuple[Api, Settings], receivers: RecordingReceiver, ending: str

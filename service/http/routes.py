@@ -372,7 +372,7 @@ async def act(request: web.Request) -> web.Response:
         raise ActionUsed("each action link answers once; this one already did", question=question.envelope())
     try:
         # Keyed by the link: a retry of a tap whose reply was lost is told it applied.
-        outcome = await questions.answer(user, claim.question, claim.option, "action:" + token)
+        outcome = await questions.answer_by_link(user, claim.question, claim.option, "action:" + token)
     except BaseException:
         # Also on a cancel (the client hung up): the tap did not answer, so the link stays
         # usable. Shielded, so a second cancel (shutdown) cannot stop the release half-way.
