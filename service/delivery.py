@@ -200,8 +200,11 @@ class DeliveryStore:
 
     async def replay(self, did: str) -> dict[str, Any]:
         """Put a dead-lettered delivery back in the queue; NotFound unless it is dead."""
+        call_id = new_call_id()
         for b in range(BUCKETS):
-            reply = await self.scripts.call("deliver_replay", self._record_keys(b, did), {"id": did})
+            reply = await self.scripts.call(
+                "deliver_replay", self._record_keys(b, did), {"id": did, "call id": call_id}
+            )
             if reply.code is Code.NOT_FOUND:
                 continue
             if reply.code is not Code.APPLIED or reply.fields is None:

@@ -387,3 +387,25 @@ async def test_settle_rerun_with_the_same_call_id_counts_the_attempt_once(
     record = await redis.hgetall(qs.keys.delivery(b, "msg_1"))
     assert record["attempts"] == "1"
     assert len(json.loads(record["history"])) == 1
+
+
+async def test_replay_rerun_with_the_same_call_id_reports_applied_and_changes_nothing(
+    store: tuple[Redis, Scripts, QuestionStore], redis: Redis
+) -> None:
+    """A replay whose reply was lost, resent by redis-py, must not tell the admin it failed."""
+    _, scripts, qs = store
+    question_id = await created(qs)
+    b = bucket_of(question_id)
+    entry = await redis.xadd(qs.keys.dead_letters(b), {"id": "msg_2"})
+    fields = {"id": "msg_2", "webhook": "wh_1", "url": "https://example.com/hook", "type": "question.created",
+              "body": "{}", "attempts": "3", "status": "dead", "question": question_id,
+              "history": "[]", "created_ms": "1", "dead_entry": entry}  # fmt: skip
+    await redis.hset(qs.keys.delivery(b, "msg_2"), mapping=fields)
+    deliveries = DeliveryStore(redis, scripts, qs.keys, retention_ms=60_000)
+    recorder = Recorder(scripts)
+    first = await deliveries.replay("msg_2")
+    before = await snapshot(redis, qs.keys.prefix)
+    second = await recorder.rerun_last()
+    assert first["status"] == "pending"
+    assert second.code is Code.APPLIED
+    assert await snapshot(redis, qs.keys.prefix) == before
