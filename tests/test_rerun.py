@@ -365,18 +365,27 @@ async def test_sweeper_expires_after_script_flush(redis_server: RedisServer, red
         await client.close()
 
 
+async def stored_delivery(
+    redis: Redis, qs: QuestionStore, delivery_id: str, **fields: str
+) -> tuple[int, dict[str, str]]:
+    """A delivery record of a fresh question, written as deliver_enqueue would: its bucket and
+    fields."""
+    question_id = await created(qs)
+    b = bucket_of(question_id)
+    record = {"id": delivery_id, "webhook": "wh_1", "url": "https://example.com/hook", "body": "{}",
+              "type": "question.created", "question": question_id, "history": "[]", "created_ms": "1",
+              **fields}  # fmt: skip
+    await redis.hset(qs.keys.delivery(b, delivery_id), mapping=record)
+    return b, record
+
+
 async def test_settle_rerun_with_the_same_call_id_counts_the_attempt_once(
     store: tuple[Redis, Scripts, QuestionStore], redis: Redis
 ) -> None:
     """redis-py resends a script whose reply was lost; counted twice, one failed attempt would
     cut the delivery's retries short (the next step of the schedule is picked by the count)."""
     _, scripts, qs = store
-    question_id = await created(qs)
-    b = bucket_of(question_id)
-    fields = {"id": "msg_1", "webhook": "wh_1", "url": "https://example.com/hook", "type": "question.created",
-              "body": "{}", "attempts": "0", "status": "pending", "question": question_id,
-              "history": "[]", "created_ms": "1"}  # fmt: skip
-    await redis.hset(qs.keys.delivery(b, "msg_1"), mapping=fields)
+    b, fields = await stored_delivery(redis, qs, "msg_1", status="pending", attempts="0")
     deliveries = DeliveryStore(redis, scripts, qs.keys, retention_ms=60_000)
     recorder = Recorder(scripts)
     first = await deliveries.settle(Delivery.from_hash(fields), Attempt(503, "HTTP 503", 12), 5_000)
@@ -394,13 +403,9 @@ async def test_replay_rerun_with_the_same_call_id_reports_applied_and_changes_no
 ) -> None:
     """A replay whose reply was lost, resent by redis-py, must not tell the admin it failed."""
     _, scripts, qs = store
-    question_id = await created(qs)
-    b = bucket_of(question_id)
+    b, _ = await stored_delivery(redis, qs, "msg_2", status="dead", attempts="3")
     entry = await redis.xadd(qs.keys.dead_letters(b), {"id": "msg_2"})
-    fields = {"id": "msg_2", "webhook": "wh_1", "url": "https://example.com/hook", "type": "question.created",
-              "body": "{}", "attempts": "3", "status": "dead", "question": question_id,
-              "history": "[]", "created_ms": "1", "dead_entry": entry}  # fmt: skip
-    await redis.hset(qs.keys.delivery(b, "msg_2"), mapping=fields)
+    await redis.hset(qs.keys.delivery(b, "msg_2"), "dead_entry", entry)
     deliveries = DeliveryStore(redis, scripts, qs.keys, retention_ms=60_000)
     recorder = Recorder(scripts)
     first = await deliveries.replay("msg_2")
