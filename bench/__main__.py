@@ -271,7 +271,8 @@ class Bench:
             redis_version,
             {
                 "server event loop (service and baseline)": loop,
-                "service settings": "QS_LOG_LEVEL=WARNING QS_WAIT_MAX_SECONDS=600 (else defaults) "
+                "service settings": "QS_LOG_LEVEL=WARNING QS_WAIT_MAX_SECONDS=600 "
+                "QS_WAITS_PER_PRINCIPAL=20000 (else defaults) "
                 + os.environ.get("BENCH_SERVICE_ENV", "").replace(",", " "),
             },
         )

@@ -179,6 +179,8 @@ class ServiceProc(Proc):
                 # Long enough that no parked waiter of the bench times out while it waits its turn.
                 "QS_WAIT_MAX_SECONDS": "600",
                 "QS_WAIT_DEFAULT_SECONDS": "60",
+                # The 10,000 waiters and the warm-up ones are one agent's: more than the default.
+                "QS_WAITS_PER_PRINCIPAL": "20000",
             }
         )
         # BENCH_SERVICE_ENV="QS_X=1,QS_Y=2" runs the bench's services with other settings.

@@ -58,6 +58,10 @@ class TooManyStreams(ServiceError):
     slug, title = "too-many-streams", "Too many open event streams for this principal"
 
 
+class TooManyWaits(ServiceError):
+    slug, title = "too-many-waits", "Too many parked waits for this principal"
+
+
 class UnsupportedMediaType(ServiceError):
     slug, title = "unsupported-media-type", "Send application/json or application/msgpack"
 

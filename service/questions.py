@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -15,7 +16,7 @@ import msgspec
 from service.auth import Directory
 from service.bodies import Ask
 from service.cache import Cache
-from service.errors import Forbidden, Invalid, NotFound
+from service.errors import Forbidden, Invalid, NotFound, TooManyWaits
 from service.keys import QUESTION_ID
 from service.model import (
     MAX_METADATA_BYTES,
@@ -42,10 +43,14 @@ class Outcome:
 
 
 class QuestionService:
-    def __init__(self, store: QuestionStore, directory: Directory, waiters: Waiters) -> None:
+    def __init__(
+        self, store: QuestionStore, directory: Directory, waiters: Waiters, *, waits_per_principal: int
+    ) -> None:
         self.store = store
         self.directory = directory
         self.waiters = waiters
+        self.waits_per_principal = waits_per_principal
+        self.parked: dict[str, int] = {}  # principal id -> its long polls parked in this process
         # Whom a question is aimed at never changes: knowing it saves a room answer one script
         # call (direct answers need none). Small on purpose: the soak measured ~0.45 KiB of RSS
         # per entry, so 10,000 recent questions cost ~5 MiB; older ones take the two-call path.
@@ -127,7 +132,8 @@ class QuestionService:
         if question.state.terminal or timeout <= 0:
             return question
         del question  # a parked request should not hold the question's fields (KiBs per waiter)
-        woken = await self.waiters.wait(question_id, timeout)
+        with self._parking(principal):
+            woken = await self.waiters.wait(question_id, timeout)
         if woken is not None:
             return woken
         # Timed out (or the question vanished): the hash is the truth.
@@ -141,9 +147,30 @@ class QuestionService:
         unique = list(dict.fromkeys(question_ids))
         questions = await self._visible_many(principal, unique)
         if not settled(questions, every) and timeout > 0:
-            await self.waiters.wait_many(unique, timeout, every=every)
+            with self._parking(principal):
+                await self.waiters.wait_many(unique, timeout, every=every)
             questions = await self._visible_many(principal, unique)
         return questions, settled(questions, every)
+
+    @contextmanager
+    def _parking(self, principal: Principal) -> Iterator[None]:
+        """Count a long poll against its principal while it is parked: one agent's runaway loop
+        must not take every socket and megabytes of the process from the others. Only a wait
+        that parks counts; one answered at once (terminal, or timeout 0) never does."""
+        held = self.parked.get(principal.id, 0)
+        if held >= self.waits_per_principal:
+            raise TooManyWaits(
+                f"{principal.id!r} has {held} long polls parked in this process; let one return "
+                "or wait on many questions in one POST /v1/questions/wait"
+            )
+        self.parked[principal.id] = held + 1
+        try:
+            yield
+        finally:
+            if self.parked[principal.id] == 1:
+                del self.parked[principal.id]
+            else:
+                self.parked[principal.id] -= 1
 
     async def _visible_many(self, principal: Principal, question_ids: Sequence[str]) -> list[Question]:
         valid = [q for q in question_ids if QUESTION_ID.match(q)]

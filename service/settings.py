@@ -100,6 +100,13 @@ class Settings:
             "`429 too-many-streams`. Each holds a socket for as long as its client stays."
         ),
     )
+    waits_per_principal: int = field(
+        default=10_000,
+        metadata=_doc(
+            "Most long polls (`/wait`, batch or single) of one principal parked at once in one "
+            "process; one more is a `429 too-many-waits`. Each holds ~15 KiB and a socket."
+        ),
+    )
     wait_replicas: int = field(
         default=0,
         metadata=_doc(
@@ -206,8 +213,8 @@ class Settings:
             raise SettingsError("timeouts must be positive and the auth cache non-negative")
         if self.events_maxlen < 100 or self.sse_heartbeat_seconds <= 0:
             raise SettingsError("QS_EVENTS_MAXLEN must be >= 100 and the SSE heartbeat positive")
-        if self.sse_streams_per_principal < 1:
-            raise SettingsError("QS_SSE_STREAMS_PER_PRINCIPAL must be at least 1")
+        if self.sse_streams_per_principal < 1 or self.waits_per_principal < 1:
+            raise SettingsError("QS_SSE_STREAMS_PER_PRINCIPAL and QS_WAITS_PER_PRINCIPAL must be >= 1")
         if self.outbox_maxlen < 1000:
             raise SettingsError("QS_OUTBOX_MAXLEN must be at least 1000")
         self.validate_delivery()

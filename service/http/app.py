@@ -117,7 +117,9 @@ async def waiters_ctx(app: web.Application) -> AsyncIterator[None]:
     waiters = Waiters(app[REDIS], app[STORE])
     await waiters.start()
     app[WAITERS] = waiters
-    app[QUESTIONS] = QuestionService(app[STORE], app[DIRECTORY], waiters)
+    app[QUESTIONS] = QuestionService(
+        app[STORE], app[DIRECTORY], waiters, waits_per_principal=app[SETTINGS].waits_per_principal
+    )
     yield
     await waiters.stop()
 

@@ -31,6 +31,7 @@ STATUS: dict[type[errors.ServiceError], int] = {
     errors.UnsupportedMediaType: 415,
     errors.Invalid: 422,
     errors.TooManyStreams: 429,
+    errors.TooManyWaits: 429,
     errors.Unavailable: 503,
 }
 STORE_DOWN = OUTAGES
