@@ -185,6 +185,7 @@ async def background(settings: Settings, *, once: bool = False, sweeper_only: bo
             )
             workers = DeliveryWorkers(redis, scripts, settings, blocking=connect_blocking(settings, redis))
             metrics.sender = workers.sender
+            metrics.outbox_consumers = [relay, workers.fanout]
             jobs += [relay.run(), workers.fanout.run(), workers.sender.run()]
         await run_with_metrics(jobs, metrics, redis, settings)
     finally:

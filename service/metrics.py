@@ -110,6 +110,11 @@ class _Relay(Protocol):
     def relayed(self) -> int: ...
 
 
+class _OutboxConsumer(Protocol):
+    group: str
+    skipped: int
+
+
 class _Coalescer(Protocol):
     replication_unconfirmed: int
 
@@ -164,6 +169,7 @@ class Metrics:
         self.sweeper: _Sweeper | None = None
         self.listener: _Listener | None = None
         self.relay: _Relay | None = None
+        self.outbox_consumers: list[_OutboxConsumer] = []
         self.sender: _Sender | None = None
         self.coalescer: _Coalescer | None = None
         self.caches: dict[str, Sized] = {}  # bounded in-process caches, by name
@@ -412,6 +418,13 @@ class _LiveCollector(Collector):
             "qs_events_relayed", "Outbox entries relayed to per-principal event streams.",
             m.relay.relayed if m.relay else 0,
         )  # fmt: skip
+        skipped = CounterMetricFamily(
+            "qs_outbox_skipped", "Outbox entries a consumer group acknowledged without effect: "
+            "they failed on their own (not written by the scripts?); each is logged.", labels=["group"],
+        )  # fmt: skip
+        for consumer in m.outbox_consumers:
+            skipped.add_metric([consumer.group], consumer.skipped)
+        yield skipped
         yield _counter(
             "qs_replication_unconfirmed", "WAITs after answer/cancel (QS_WAIT_REPLICAS) that fewer "
             "replicas confirmed in time, per node and batch.",

@@ -7,12 +7,18 @@ consumer group, processes what one read returned (any number of outboxes), and o
 acknowledges all of it in one round trip; entries a dead consumer left unacknowledged are taken
 over with XAUTOCLAIM once idle long enough. Processing must be idempotent, because an entry can be
 handled twice.
+
+An entry no retry can process (not written by the scripts: an operator's XADD, a bug) must not
+hold back the events read with it: a read whose processing fails for a reason other than Redis is
+processed again one entry at a time, and only the entries that fail alone are skipped (logged
+with their ids, counted in `qs_outbox_skipped`) and acknowledged with the rest.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import logging
 import os
 import secrets
 import socket
@@ -24,9 +30,12 @@ from redis.exceptions import RedisError, ResponseError
 
 from service.backoff import Backoff, keep_running
 from service.coalesce import exchange
+from service.errors import Unavailable
 from service.keys import BUCKETS, Keys
 from service.redis_client import is_cluster
 
+log = logging.getLogger(__name__)
+OUTAGE = (RedisError, OSError, Unavailable)  # scripts turn a refusal (OOM, READONLY) into Unavailable
 Entries = Sequence[tuple[str, dict[str, str]]]
 Read = Sequence[tuple[str, Entries]]  # (outbox, its entries) for each outbox one read returned
 RECLAIM_IDLE_MS = 30_000
@@ -45,6 +54,7 @@ class OutboxConsumer(abc.ABC):
         self.consumer = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.reclaim_idle_ms = RECLAIM_IDLE_MS
         self.handled = 0
+        self.skipped = 0  # entries that failed to process alone, acknowledged without effect
         self.stopping = False  # checked each read: see backoff.stop_tasks
 
     @abc.abstractmethod
@@ -55,11 +65,31 @@ class OutboxConsumer(abc.ABC):
     async def consume(self, read: Read) -> None:
         """Process a read, then acknowledge all of it: only after, since an XACK sent with writes
         that fail would drop their events."""
-        await self.process(read)
+        try:
+            await self.process(read)
+        except OUTAGE:
+            raise  # Redis is unreachable or refused: nothing is acknowledged, all is read again
+        except Exception:
+            log.warning("%s: a read of %d entries failed; processing them one by one", self.label, size(read))
+            await self._process_one_by_one(read)
         await run_all(
             self.redis, [("XACK", outbox, self.group, *(i for i, _ in entries)) for outbox, entries in read]
         )
-        self.handled += sum(len(entries) for _, entries in read)
+        self.handled += size(read)
+
+    async def _process_one_by_one(self, read: Read) -> None:
+        for outbox, entries in read:
+            for entry in entries:
+                try:
+                    await self.process([(outbox, [entry])])
+                except OUTAGE:
+                    raise
+                except Exception:
+                    self.skipped += 1
+                    log.exception(
+                        "%s: skipped outbox entry %s %s (fields %s): it fails on its own",
+                        self.label, outbox, entry[0], sorted(entry[1]),
+                    )  # fmt: skip
 
     async def ensure_groups(self) -> None:
         for b in range(BUCKETS):
@@ -148,6 +178,10 @@ class OutboxConsumer(abc.ABC):
             )
             if claimed[1]:
                 await self.consume([(outbox, claimed[1])])
+
+
+def size(read: Read) -> int:
+    return sum(len(entries) for _, entries in read)
 
 
 # Commands per round trip of run_all. One round trip of a few million (the events of one read for

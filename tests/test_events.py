@@ -255,6 +255,34 @@ async def test_a_failed_append_leaves_the_whole_read_unacknowledged(no_relay: No
         assert (await redis.xpending(outbox, GROUP))["pending"] == len(entries)
 
 
+async def test_an_entry_the_scripts_did_not_write_is_skipped_and_the_events_read_with_it_are_relayed(
+    no_relay: NoRelay, caplog: pytest.LogCaptureFixture
+) -> None:
+    redis, keys, api = no_relay.redis, no_relay.keys, no_relay.api
+    relay = no_relay.relay()
+    await relay.ensure_groups()
+    first = (await api.ask(no_relay.agent, {"user": "alice"}))["id"]
+    hand_made = {"type": "question.created", "note": "hand-made"}
+    foreign = await redis.xadd(keys.outbox(int(first[0], 16)), hand_made)
+    second = (await api.ask(no_relay.agent, {"user": "alice"}))["id"]
+    outboxes = {keys.outbox(b): ">" for b in range(16)}
+    read = await redis.xreadgroup(GROUP, relay.consumer, outboxes, count=10)
+    assert sum(len(entries) for _, entries in read) == 3
+
+    await relay.consume(read)
+
+    relayed = [json.loads(fields["data"])["id"] for _, fields in await redis.xrange(keys.events("alice"))]
+    assert sorted(relayed) == sorted([first, second])
+    assert relay.skipped == 1
+    for b in range(16):
+        assert (await redis.xpending(keys.outbox(b), GROUP))["pending"] == 0
+    # (The app's webhook fan-out skips it too, in its own group and words.)
+    skipped = [r for r in caplog.records if r.getMessage().startswith("event relay: skipped outbox entry")]
+    assert len(skipped) == 1
+    assert foreign in skipped[0].getMessage()
+    assert skipped[0].exc_info is not None
+
+
 async def until_blocked_in_xread(redis: Redis, client_name: str) -> None:
     async with asyncio.timeout(5):
         while True:

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
 from service.http.appkeys import QUESTIONS, RELAY, SWEEPER
+from service.keys import Keys
 from service.settings import MEMORY_URL
 from tests.api import Api
 from tests.conftest import ADMIN_TOKEN, close_client, start_client
@@ -276,6 +277,27 @@ async def test_outbox_backlog_counts_entries_until_the_relay_acknowledges_them(
             running.cancel()
             await asyncio.gather(running, return_exceptions=True)
         assert value(await scrape(client), "qs_events_relayed_total") == 2
+    finally:
+        await close_client(client)
+
+
+async def test_an_outbox_entry_no_consumer_can_process_is_counted_skipped_and_acknowledged_by_both_groups(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    settings = settings_for(redis_server.url)
+    client = await start_client(settings)
+    try:
+        outbox = Keys(settings.key_prefix).outbox(3)
+        await redis.xadd(outbox, {"type": "question.answered", "id": "not-a-question"})
+
+        async def skipped_by_both() -> bool:
+            samples = await scrape(client)
+            counts = [value(samples, "qs_outbox_skipped_total", group=g) for g in ("events", "webhooks")]
+            return counts == [1, 1]
+
+        await eventually(skipped_by_both, within=10, what="both groups skip the entry")
+        for group in ("events", "webhooks"):
+            assert (await redis.xpending(outbox, group))["pending"] == 0
     finally:
         await close_client(client)
 

@@ -22,6 +22,7 @@ from aiohttp.test_utils import TestClient
 from redis.exceptions import ConnectionError as RedisConnectionError
 from standardwebhooks.webhooks import Webhook as Verifier
 
+from service.errors import Unavailable
 from service.http.appkeys import DELIVERY_WORKERS, REDIS
 from service.keys import BUCKETS, new_question_id
 from service.outbound import AddressRefused, GuardedResolver, OutboundPolicy, parse_nets, post
@@ -605,3 +606,34 @@ async def test_a_pass_whose_sends_fail_waits_for_all_of_them_and_reports_every_f
         await workers.sender.send_due()
     assert len(settled) == 3
     assert caplog.text.count("failed too") == 2
+
+
+async def test_a_fan_out_refused_by_a_full_redis_is_retried_later_not_skipped(
+    api_with: Callable[..., Awaitable[Api]], receiver: RecordingReceiver
+) -> None:
+    own = RedisServer().start()  # made to refuse writes: not the session's server
+    try:
+        settings = test_settings(own.url, **{**FAST, "run_delivery": False})
+        api = await api_with(settings)
+        agent = await api.principal("deploybot", "agent")
+        await api.principal("alice", "user")
+        hook = await register(api, agent, receiver.url, ["question.created"])
+        fanout = api.client.server.app[DELIVERY_WORKERS].fanout
+        redis = api.client.server.app[REDIS]
+        await fanout.ensure_groups()
+        await api.ask(agent, {"user": "alice"})
+        outboxes = {fanout.keys.outbox(b): ">" for b in range(BUCKETS)}
+        read = await redis.xreadgroup(fanout.group, fanout.consumer, outboxes, count=10)
+
+        await redis.config_set("maxmemory", "1")
+        with pytest.raises(Unavailable):
+            await fanout.consume(read)
+        assert fanout.skipped == 0
+        assert (await redis.xpending(read[0][0], fanout.group))["pending"] == 1
+
+        await redis.config_set("maxmemory", "0")
+        await fanout.consume(read)
+        assert (await redis.xpending(read[0][0], fanout.group))["pending"] == 0
+        assert len(await deliveries(api, agent, hook["id"])) == 1
+    finally:
+        own.cleanup()

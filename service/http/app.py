@@ -166,6 +166,7 @@ async def observability_ctx(app: web.Application) -> AsyncIterator[None]:
     metrics.waiters, metrics.hub = app[WAITERS], app[EVENT_HUB]
     metrics.sweeper, metrics.listener, metrics.relay = app[SWEEPER], app[LISTENER], app[RELAY]
     metrics.sender = app[DELIVERY_WORKERS].sender
+    metrics.outbox_consumers = [app[RELAY], app[DELIVERY_WORKERS].fanout]
     metrics.coalescer = app[SCRIPTS].coalescer
     metrics.caches = {**app[DIRECTORY].caches(), "question_targets": app[QUESTIONS].targets}
     app[WAITERS].metrics = metrics
