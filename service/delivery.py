@@ -168,8 +168,12 @@ class DeliveryStore:
     async def claim(self, b: int, lease_ms: int, count: int = CLAIM_BATCH) -> list[Delivery]:
         reply = await self.scripts.call(
             "deliver_claim",
-            {"due": self.keys.deliveries_due(b), "dead letters": self.keys.dead_letters(b)},
-            {"lease": lease_ms, "count": count, "retention": self.retention_ms},
+            {
+                "due": self.keys.deliveries_due(b),
+                "dead letters": self.keys.dead_letters(b),
+                "last claim": self.keys.last_claim(b),
+            },
+            {"lease": lease_ms, "count": count, "retention": self.retention_ms, "call id": new_call_id()},
         )
         if reply.code is not Code.APPLIED or not reply.value:
             return []

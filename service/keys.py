@@ -141,6 +141,9 @@ class Keys:
     def deliveries_due(self, b: int) -> str:
         return f"{self.bucket(b)}:deliveries:due"
 
+    def last_claim(self, b: int) -> str:
+        return f"{self.bucket(b)}:deliveries:last-claim"
+
     def webhook_deliveries(self, b: int, webhook_id: str) -> str:
         return f"{self.bucket(b)}:webhook:{webhook_id}:deliveries"
 

@@ -414,3 +414,24 @@ async def test_replay_rerun_with_the_same_call_id_reports_applied_and_changes_no
     assert first["status"] == "pending"
     assert second.code is Code.APPLIED
     assert await snapshot(redis, qs.keys.prefix) == before
+
+
+async def test_claim_rerun_with_the_same_call_id_returns_what_the_lost_reply_leased(
+    store: tuple[Redis, Scripts, QuestionStore], redis: Redis
+) -> None:
+    """Without the memo, a re-sent claim found those deliveries leased (to a reply nobody read)
+    and returned nothing: they waited out the whole lease before anyone sent them."""
+    _, scripts, qs = store
+    b, _ = await stored_delivery(redis, qs, "msg_3", status="pending", attempts="0")
+    await redis.zadd(qs.keys.deliveries_due(b), {"msg_3": 0})
+    deliveries = DeliveryStore(redis, scripts, qs.keys, retention_ms=60_000)
+    recorder = Recorder(scripts)
+    assert [d.id for d in await deliveries.claim(b, lease_ms=30_000)] == ["msg_3"]
+    lease = await redis.zscore(qs.keys.deliveries_due(b), "msg_3")
+
+    again = await recorder.rerun_last()
+
+    assert (again.code, again.value) == (Code.APPLIED, "msg_3")
+    assert await redis.zscore(qs.keys.deliveries_due(b), "msg_3") == lease  # not leased twice
+    assert await deliveries.claim(b, lease_ms=30_000) == []  # another claim: the lease holds
+    assert (await recorder.rerun_last()).code is Code.PENDING  # that one claimed nothing
