@@ -101,11 +101,20 @@ def serve(settings: Settings) -> None:
         port=settings.port,
         loop=new_event_loop(),
         reuse_port=settings.reuse_port,
-        # A client that gives up on a long poll must release its waiter at once, not at timeout.
-        handler_cancellation=True,
-        access_log=None,  # QS_ACCESS_LOG lines come from service.logs' middleware (structured)
         print=lambda _: log.info("serving on http://%s:%d", settings.host, settings.port),
+        **server_options(settings),
     )
+
+
+def server_options(settings: Settings) -> dict[str, Any]:
+    """aiohttp's server options as `serve` sets them (tests serve the app with the same)."""
+    return {
+        # A client that gives up on a long poll must release its waiter at once, not at timeout.
+        "handler_cancellation": True,
+        # aiohttp applies it to a request's headers too: a trickling client is cut off there.
+        "keepalive_timeout": settings.keepalive_seconds,
+        "access_log": None,  # QS_ACCESS_LOG lines come from service.logs' middleware (structured)
+    }
 
 
 def serving_app(settings: Settings) -> web.Application:

@@ -72,6 +72,14 @@ class Settings:
         default=10.0,
         metadata=_doc("Longest wait for a request body to arrive in full (408 after it)."),
     )
+    keepalive_seconds: float = field(
+        default=75.0,
+        metadata=_doc(
+            "An idle client connection is closed after this long, and so is one whose request "
+            "headers have not arrived in full (trickled or not). Keep it above a load balancer's "
+            "idle timeout."
+        ),
+    )
     redis_timeout_seconds: float = field(default=5.0, metadata=_doc("Socket timeout of each Redis call."))
     redis_max_connections: int = field(
         default=64,
@@ -203,8 +211,8 @@ class Settings:
             raise SettingsError("QS_PORT must be a TCP port")
         if self.max_body_bytes < 1024:
             raise SettingsError("QS_MAX_BODY_BYTES must be at least 1024")
-        if self.body_timeout_seconds <= 0:
-            raise SettingsError("QS_BODY_TIMEOUT_SECONDS must be positive")
+        if self.body_timeout_seconds <= 0 or self.keepalive_seconds <= 0:
+            raise SettingsError("QS_BODY_TIMEOUT_SECONDS and QS_KEEPALIVE_SECONDS must be positive")
         if any(c in self.key_prefix for c in "{}: ") or not self.key_prefix:
             raise SettingsError("QS_KEY_PREFIX must be non-empty and free of braces, colons, spaces")
         if self.redis_max_connections < 4:

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 from aiohttp import web
 
+from service.__main__ import server_options
 from service.client import AsyncClient, Retry
 from service.http.app import create_app
 from service.settings import Settings
@@ -48,7 +49,7 @@ async def on_loopback(app: web.Application, **runner_options: Any) -> AsyncItera
 @asynccontextmanager
 async def serve(settings: Settings) -> AsyncIterator[str]:
     """The real app, as the service runs it, on loopback; yields its base URL."""
-    async with on_loopback(create_app(settings), handler_cancellation=True) as url:
+    async with on_loopback(create_app(settings), **server_options(settings)) as url:
         yield url
 
 

@@ -7,6 +7,7 @@ import asyncio
 import aiohttp
 from aiohttp import web
 
+from service.__main__ import server_options
 from service.http.app import create_app
 from service.http.appkeys import QUESTIONS
 from tests.api import Api
@@ -64,8 +65,9 @@ async def test_a_principal_beyond_its_parked_wait_limit_gets_429_until_one_retur
 
 
 async def test_a_client_that_hangs_up_gives_its_parked_wait_place_back(redis_server: RedisServer) -> None:
-    app = create_app(test_settings(redis_server.url, waits_per_principal=1))
-    async with on_loopback(app, handler_cancellation=True) as url, aiohttp.ClientSession(url) as http:
+    settings = test_settings(redis_server.url, waits_per_principal=1)
+    app = create_app(settings)
+    async with on_loopback(app, **server_options(settings)) as url, aiohttp.ClientSession(url) as http:
         admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
         tokens = {}
         for name, kind in (("fleet", "agent"), ("alice", "user")):
