@@ -2,7 +2,7 @@
 // event stream so every cell shows the one final story the server recorded.
 
 import { Api, ApiError } from "./api.js";
-import { audience, optionLabel, story, timeLeft } from "./stories.js";
+import { audience, goneStory, optionLabel, story, timeLeft } from "./stories.js";
 
 const TOKEN_KEY = "question-service.token";
 const RECONNECT_MS = 2000;
@@ -162,8 +162,24 @@ async function refetch(s, entry) {
   try {
     upsert(s, await s.api.get(entry.q.id));
   } catch (err) {
-    console.warn(`could not fetch question ${entry.q.id}`, err);
+    if (err instanceof ApiError && err.status === 404) markGone(s, entry);
+    else console.warn(`could not fetch question ${entry.q.id}`, err);
   }
+}
+
+/** A pending question the server no longer shows me (a 404: I left its room since it was asked):
+ * it cannot be answered from here, so it leaves the waiting list with a sentence saying why. */
+function markGone(s, entry) {
+  if (session !== s || entry.gone) return;
+  entry.gone = true;
+  const hadFocus = entry.cell.li.contains(document.activeElement);
+  entry.cell.li.dataset.state = "gone";
+  entry.cell.options.remove();
+  entry.cell.countdown.textContent = "";
+  entry.cell.story.textContent = goneStory(entry.q);
+  place(entry, view.history);
+  updateCounts();
+  if (hadFocus) entry.cell.story.focus();
 }
 
 /** Scroll to the question a notification pointed at, and focus its first control. */
@@ -201,7 +217,7 @@ function upsert(s, q, { mine = false } = {}) {
     updateCounts();
     return;
   }
-  if (q.version < entry.q.version || (q.version === entry.q.version && !mine)) return;
+  if (entry.gone || q.version < entry.q.version || (q.version === entry.q.version && !mine)) return;
   entry.q = q;
   render(s, entry);
   updateCounts();
@@ -275,7 +291,8 @@ function updateCountdown(s, entry) {
 /** At zero the server expires the question; fetch until it says so (the event may come first). */
 async function checkExpiry(s, entry) {
   entry.checking = true;
-  for (let i = 0; i < EXPIRY_CHECKS && session === s && entry.q.state === "pending"; i++) {
+  const open = () => session === s && entry.q.state === "pending" && !entry.gone;
+  for (let i = 0; i < EXPIRY_CHECKS && open(); i++) {
     await refetch(s, entry);
     if (entry.q.state !== "pending") return;
     await new Promise((resolve) => setTimeout(resolve, EXPIRY_CHECK_MS));
@@ -284,7 +301,7 @@ async function checkExpiry(s, entry) {
 
 function updateCounts() {
   const entries = session ? [...session.entries.values()] : [];
-  const waiting = entries.filter((e) => e.q.state === "pending").length;
+  const waiting = entries.filter((e) => e.q.state === "pending" && !e.gone).length;
   view.waitingCount.textContent = `(${waiting})`;
   view.waitingEmpty.hidden = view.waiting.children.length > 0;
   view.historyEmpty.hidden = view.history.children.length > 0;
@@ -295,7 +312,7 @@ function updateCounts() {
 async function tap(button) {
   const s = session;
   const entry = s && s.entries.get(button.closest(".cell").dataset.id);
-  if (!entry || entry.q.state !== "pending" || entry.busy) return;
+  if (!entry || entry.q.state !== "pending" || entry.busy || entry.gone) return;
   entry.tapped = entry.busy = true;
   const label = optionLabel(entry.q, button.dataset.option);
   setButtonsDisabled(entry, true);
@@ -306,6 +323,10 @@ async function tap(button) {
   } catch (err) {
     if (err instanceof ApiError && err.status === 401) {
       signOut("Your token is no longer accepted. Sign in again.");
+      return;
+    }
+    if (err instanceof ApiError && err.status === 404) {
+      markGone(s, entry);
       return;
     }
     entry.cell.story.textContent = `Not sent: ${err.message}. Try again.`;
@@ -346,7 +367,7 @@ window.addEventListener("hashchange", () => {
 setInterval(() => {
   if (!session) return;
   for (const entry of session.entries.values()) {
-    if (entry.q.state === "pending") updateCountdown(session, entry);
+    if (entry.q.state === "pending" && !entry.gone) updateCountdown(session, entry);
   }
 }, 1000);
 

@@ -49,6 +49,13 @@ export function story(q, me, tapped, now) {
 }
 
 /** Who a question went to, from my side: "you" or "room oncall". */
+/** The sentence of a cell whose question I can no longer see (a 404 on tap or re-fetch). */
+export function goneStory(q) {
+  return q.to.room !== undefined
+    ? `You are no longer in room ${q.to.room}, so this is not yours to answer.`
+    : "This question is no longer yours to answer.";
+}
+
 export function audience(q) {
   return q.to.room !== undefined ? `room ${q.to.room}` : "you";
 }

@@ -372,3 +372,29 @@ async def test_the_screenshot_script_renders_the_seeded_inbox(
     await screenshot.render(browser, service, token, out)
 
     assert out.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+async def test_a_member_who_left_the_room_taps_and_the_cell_says_it_is_no_longer_theirs(
+    browser: Browser, service: Service
+) -> None:
+    _, agent_token = await service.principal("deploybot", "agent")
+    alice, alice_token = await service.principal("alice", "user")
+    bob, _ = await service.principal("bob", "user")
+    room = f"rota-{alice}"
+    await service.api.room(room, [alice, bob])
+    q = await service.ask(agent_token, {"room": room}, "Page the DBA?", ["Page", "Wait"])
+    async with open_inbox(browser, service.base_url, alice_token) as inbox:
+        await expect(inbox.option(q["id"], "Page")).to_be_visible()
+        await expect(inbox.page.locator("#waiting-count")).to_have_text("(1)")
+        await service.api.room(room, [bob])  # alice leaves while the cell still offers its buttons
+        inbox.expected.append("the server responded with a status of 404")
+
+        await inbox.option(q["id"], "Page").click()
+
+        await expect(inbox.story(q["id"])).to_have_text(
+            f"You are no longer in room {room}, so this is not yours to answer."
+        )
+        await expect(inbox.option(q["id"], "Page")).to_have_count(0)
+        await expect(inbox.page.locator("#waiting-count")).to_have_text("(0)")
+        await expect(inbox.page.locator(f"#history [data-id='{q['id']}']")).to_be_visible()
+    assert (await service.api.get(agent_token, q["id"])).body["state"] == "pending"
