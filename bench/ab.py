@@ -1,6 +1,7 @@
 """A/B of two versions of the service: CPU per request, which wrk's requests/s hides in noise.
 
     python -m bench.ab --old <git revision> [--script SCENARIO] [--rounds 5] [--seconds 5]
+                       [--old-env QS_X=1,QS_Y=2] [--new-env QS_X=1,QS_Y=2]
 
 Starts one Redis and two `serve` processes on it: this checkout and `--old` (a temporary git
 worktree, the old process's working directory, which `python -m` imports from first). Each has its
@@ -8,7 +9,9 @@ own key prefix, so neither's outbox consumers work for the other. wrk -c64 then 
 them (2 s of warm-up, then the measured run, the order flipped every round), and each run's
 process CPU from /proc is divided by its requests. Prints each round and the medians. Between
 two identical processes the medians differ by 1-3 % here (docs/benchmarks.md, "Findings of
-2026-12-04, fourth session"). Every run must get only 2xx replies, or it stops.
+2026-12-04, fourth session"). Every run must get only 2xx replies, or it stops. `--old-env` and
+`--new-env` give one side other service settings: `--old HEAD --new-env QS_RUN_DELIVERY=false`
+prices the in-process webhook fan-out.
 
 SCENARIO (the wrk script in bench/wrk/):
     fetch        GET /v1/questions/{id} by the asking agent, over 32 pending questions
@@ -103,15 +106,32 @@ def measure(side: Side, script: str, seconds: float) -> None:
     print(f"  {side.name}: {result.rps:,.0f} req/s, {side.rounds[-1][1]:.1f} µs CPU/request", flush=True)
 
 
-def run(old: str, scenario: Scenario, rounds: int, seconds: float) -> list[Side]:
+def settings_of(pairs: str) -> dict[str, str]:
+    """ "QS_X=1,QS_Y=2" -> {"x": "1", "y": "2"}, as ServiceProc takes them."""
+    found = {}
+    for pair in filter(None, (p.strip() for p in pairs.split(","))):
+        name, sep, value = pair.partition("=")
+        if not sep or not name.startswith("QS_"):
+            raise SystemExit(f"not a QS_NAME=value pair: {pair!r}")
+        found[name.removeprefix("QS_").lower()] = value
+    return found
+
+
+def run(
+    old: str, scenario: Scenario, rounds: int, seconds: float, envs: tuple[str, str] = ("", "")
+) -> list[Side]:
     work = Path(tempfile.mkdtemp(prefix="bench-ab-"))
     tree = work / "old"
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(tree), old], check=True)
     redis = RedisProc(work).start()
     sides: list[Side] = []
     try:
-        for name, cwd, prefix in ((f"old {old}", tree, "ab-old"), ("this checkout", ROOT, "ab-new")):
-            service = ServiceProc(work, redis.url, name=prefix, key_prefix=prefix)
+        named = (
+            (f"old {old} {envs[0]}".strip(), tree, "ab-old"),
+            (f"this checkout {envs[1]}".strip(), ROOT, "ab-new"),
+        )
+        for (name, cwd, prefix), env in zip(named, envs, strict=True):
+            service = ServiceProc(work, redis.url, name=prefix, key_prefix=prefix, **settings_of(env))
             service.cwd = cwd
             sides.append(Side(name, service.start()))
         for side in sides:
@@ -142,8 +162,10 @@ def main() -> None:
     parser.add_argument("--script", default="fetch", choices=list(SCENARIOS))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--old-env", default="", help="other service settings of the old side: QS_X=1,QS_Y=2")
+    parser.add_argument("--new-env", default="", help="the same for this checkout's side")
     args = parser.parse_args()
-    sides = run(args.old, SCENARIOS[args.script], args.rounds, args.seconds)
+    sides = run(args.old, SCENARIOS[args.script], args.rounds, args.seconds, (args.old_env, args.new_env))
     print(f"\n{args.script}, medians of {args.rounds} rounds:")
     for side in sides:
         rps = statistics.median(r for r, _ in side.rounds)
