@@ -7,7 +7,9 @@ import asyncio
 import os
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from playwright.async_api import Browser, Route, expect
@@ -18,6 +20,29 @@ from tests.browser.harness import PHONE, Service, open_inbox
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 JUST_NOW = r"(just now|\d+ s ago)"
+
+
+@dataclass
+class RoomQuestion:
+    """A question deploybot asked in a room of alice and bob: the tokens and names involved."""
+
+    agent_token: str
+    alice: str
+    alice_token: str
+    bob: str
+    bob_token: str
+    room: str
+    q: dict[str, Any]
+
+
+async def room_question(service: Service, room_name: str, prompt: str, labels: list[str]) -> RoomQuestion:
+    _, agent_token = await service.principal("deploybot", "agent")
+    alice, alice_token = await service.principal("alice", "user")
+    bob, bob_token = await service.principal("bob", "user")
+    room = f"{room_name}-{alice}"
+    await service.api.room(room, [alice, bob])
+    q = await service.ask(agent_token, {"room": room}, prompt, labels)
+    return RoomQuestion(agent_token, alice, alice_token, bob, bob_token, room, q)
 
 
 async def test_a_new_question_appears_live(browser: Browser, service: Service) -> None:
@@ -40,12 +65,14 @@ async def test_a_new_question_appears_live(browser: Browser, service: Service) -
 async def test_two_members_tapping_at_once_one_wins_and_the_other_sees_who(
     browser: Browser, service: Service
 ) -> None:
-    _, agent_token = await service.principal("deploybot", "agent")
-    alice, alice_token = await service.principal("alice", "user")
-    bob, bob_token = await service.principal("bob", "user")
-    room = f"oncall-{alice}"
-    await service.api.room(room, [alice, bob])
-    q = await service.ask(agent_token, {"room": room}, "Ship it?", ["Deploy", "Abort"])
+    asked = await room_question(service, "oncall", "Ship it?", ["Deploy", "Abort"])
+    agent_token, alice, alice_token, bob_token, q = (
+        asked.agent_token,
+        asked.alice,
+        asked.alice_token,
+        asked.bob_token,
+        asked.q,
+    )
     async with (
         open_inbox(browser, service.base_url, alice_token) as alice_inbox,
         open_inbox(browser, service.base_url, bob_token) as bob_inbox,
@@ -119,12 +146,15 @@ async def test_an_expiring_question_flips_to_expired_live(browser: Browser, serv
 
 
 async def test_answers_given_elsewhere_update_the_cells_live(browser: Browser, service: Service) -> None:
-    _, agent_token = await service.principal("deploybot", "agent")
-    alice, alice_token = await service.principal("alice", "user")
-    bob, bob_token = await service.principal("bob", "user")
-    room = f"ops-{alice}"
-    await service.api.room(room, [alice, bob])
-    by_bob = await service.ask(agent_token, {"room": room}, "Restart ingest?", ["Yes", "No"])
+    asked = await room_question(service, "ops", "Restart ingest?", ["Yes", "No"])
+    agent_token, alice, alice_token, bob, bob_token, by_bob = (
+        asked.agent_token,
+        asked.alice,
+        asked.alice_token,
+        asked.bob,
+        asked.bob_token,
+        asked.q,
+    )
     by_me_elsewhere = await service.ask(agent_token, {"user": alice}, "Merge hotfix?", ["Merge", "Wait"])
     async with open_inbox(browser, service.base_url, alice_token) as inbox:
         await expect(inbox.option(by_bob["id"], "No")).to_be_visible()
@@ -377,16 +407,12 @@ async def test_the_screenshot_script_renders_the_seeded_inbox(
 async def test_a_member_who_left_the_room_taps_and_the_cell_says_it_is_no_longer_theirs(
     browser: Browser, service: Service
 ) -> None:
-    _, agent_token = await service.principal("deploybot", "agent")
-    alice, alice_token = await service.principal("alice", "user")
-    bob, _ = await service.principal("bob", "user")
-    room = f"rota-{alice}"
-    await service.api.room(room, [alice, bob])
-    q = await service.ask(agent_token, {"room": room}, "Page the DBA?", ["Page", "Wait"])
-    async with open_inbox(browser, service.base_url, alice_token) as inbox:
+    asked = await room_question(service, "rota", "Page the DBA?", ["Page", "Wait"])
+    q, room = asked.q, asked.room
+    async with open_inbox(browser, service.base_url, asked.alice_token) as inbox:
         await expect(inbox.option(q["id"], "Page")).to_be_visible()
         await expect(inbox.page.locator("#waiting-count")).to_have_text("(1)")
-        await service.api.room(room, [bob])  # alice leaves while the cell still offers its buttons
+        await service.api.room(room, [asked.bob])  # alice leaves while the cell offers its buttons
         inbox.expected.append("the server responded with a status of 404")
 
         await inbox.option(q["id"], "Page").click()
@@ -397,4 +423,4 @@ async def test_a_member_who_left_the_room_taps_and_the_cell_says_it_is_no_longer
         await expect(inbox.option(q["id"], "Page")).to_have_count(0)
         await expect(inbox.page.locator("#waiting-count")).to_have_text("(0)")
         await expect(inbox.page.locator(f"#history [data-id='{q['id']}']")).to_be_visible()
-    assert (await service.api.get(agent_token, q["id"])).body["state"] == "pending"
+    assert (await service.api.get(asked.agent_token, q["id"])).body["state"] == "pending"
