@@ -50,6 +50,16 @@ async def answer_spread_over(http: Http, token: str, question_ids: list[str], se
         assert (status, body["applied"]) == (200, True)
 
 
+async def all_within(tasks: list[asyncio.Task[tuple[int, Any]]], seconds: float) -> list[tuple[int, Any]]:
+    """Every task's result, failing (and cancelling the rest) when they are not all done in time."""
+    try:
+        async with asyncio.timeout(seconds):
+            return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 @dataclass
 class Served:
     """The app on the test's own Redis, an agent and alice, and an HTTP session to the app."""
@@ -96,12 +106,7 @@ async def test_parked_waiters_get_their_answers_after_seconds_of_pubsub_connecti
         await answer_spread_over(http, alice, waited, CHURN_SECONDS)
         assert await kills > 10
         await asyncio.gather(*churn, return_exceptions=True)
-        try:
-            async with asyncio.timeout(AFTER_CHURN):
-                replies = await asyncio.gather(*parked)
-        finally:
-            for task in parked:
-                task.cancel()
+        replies = await all_within(parked, AFTER_CHURN)
         assert [status for status, _ in replies] == [200] * WAITERS_PARKED
         assert [body["state"] for _, body in replies] == ["answered"] * WAITERS_PARKED
 
@@ -128,12 +133,7 @@ async def test_waits_that_start_during_the_kills_end_answered_or_503_and_none_ru
         waits = [asyncio.create_task(wait_later(q)) for q in ids]
         await asyncio.gather(*(answer_later(q) for q in ids))
         assert await kills > 10
-        try:
-            async with asyncio.timeout(AFTER_CHURN):
-                replies = await asyncio.gather(*waits)
-        finally:
-            for task in waits:
-                task.cancel()
+        replies = await all_within(waits, AFTER_CHURN)
         outcomes = [(status, body["state"] if status == 200 else None) for status, body in replies]
         assert set(outcomes) <= {(200, "answered"), (503, None)}
         assert outcomes.count((200, "answered")) >= WAITERS_PARKED // 2
