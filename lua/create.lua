@@ -32,12 +32,15 @@
     ARGV[16] outbox maxlen      approximate cap (XADD MAXLEN ~)
     ARGV[17] webhook url        the question's own webhook URL, or '' for none
     ARGV[18] webhook secret     whsec_ secret that signs deliveries to ARGV[17], or ''
+    ARGV[19] asker cap          most members KEYS[6] may hold (the asker's share of its quota in
+                                this bucket: pending questions and ended ones not yet purged)
 
   Output:
     {'created', fields}             the new question (HGETALL), also on a re-run of this call
     {'replayed', id}                the idempotency key names question id with the same digest
     {'idempotency_conflict'}        the idempotency key was used with another request digest
     {'bad_deadline', now_ms}        ARGV[11] is not later than now, or more than ARGV[12] ms away
+    {'full', cap}                   KEYS[6] already holds ARGV[19] questions: nothing written
     error reply                     misuse only: an id collision
 
   Events:
@@ -63,6 +66,10 @@ if #KEYS == 8 then
     end
     return {'replayed', prior[1]}
   end
+end
+
+if redis.call('ZCARD', KEYS[6]) >= tonumber(ARGV[19]) then
+  return {'full', ARGV[19]}
 end
 
 local expires

@@ -58,6 +58,10 @@ class TooManyStreams(ServiceError):
     slug, title = "too-many-streams", "Too many open event streams for this principal"
 
 
+class TooManyQuestions(ServiceError):
+    slug, title = "too-many-questions", "This agent keeps as many questions as allowed"
+
+
 class TooManyWaits(ServiceError):
     slug, title = "too-many-waits", "Too many parked waits for this principal"
 

@@ -64,6 +64,7 @@ RESULT = {
     "not_asker": "refused",
     "idempotency_conflict": "refused",
     "bad_deadline": "refused",
+    "full": "refused",
 }
 # expire_many's codes: 'stale' is a sweeper or listener that came second; 'pending' and
 # 'not_found' are no transition.

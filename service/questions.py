@@ -16,7 +16,7 @@ import msgspec
 from service.auth import Directory
 from service.bodies import Ask
 from service.cache import Cache
-from service.errors import Forbidden, Invalid, NotFound, TooManyWaits
+from service.errors import Forbidden, Invalid, NotFound, TooManyQuestions, TooManyWaits
 from service.keys import QUESTION_ID
 from service.model import (
     MAX_METADATA_BYTES,
@@ -97,6 +97,12 @@ class QuestionService:
             return original, False
         if reply.code is Code.IDEMPOTENCY_CONFLICT:
             raise Invalid("this Idempotency-Key was used with a different request body")
+        if reply.code is Code.FULL:
+            raise TooManyQuestions(
+                f"{asker.id!r} keeps as many questions as QS_QUESTIONS_PER_AGENT allows ({reply.value} "
+                "in this id bucket, about 16 times that in all; ended ones count until the retention "
+                "removes them). Retry later, or ask as another agent"
+            )
         raise Invalid("expires_at must be in the future and at most 30 days away")
 
     async def _target(self, body: Ask) -> Target:

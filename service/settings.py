@@ -62,6 +62,14 @@ class Settings:
         default=7 * 86400,
         metadata=_doc("How long a terminal question stays readable before it is removed."),
     )
+    questions_per_agent: int = field(
+        default=1_000_000,
+        metadata=_doc(
+            "Most questions one agent keeps (pending, and ended ones until the retention removes "
+            "them), checked as 1/16 of it in each of the 16 buckets the ids spread over; one more "
+            "is a `429 too-many-questions`. Bounds the Redis memory one agent can take."
+        ),
+    )
     idempotency_ttl_seconds: int = field(
         default=86400, metadata=_doc("How long an `Idempotency-Key` is remembered.")
     )
@@ -223,6 +231,8 @@ class Settings:
             raise SettingsError("QS_EVENTS_MAXLEN must be >= 100 and the SSE heartbeat positive")
         if self.sse_streams_per_principal < 1 or self.waits_per_principal < 1:
             raise SettingsError("QS_SSE_STREAMS_PER_PRINCIPAL and QS_WAITS_PER_PRINCIPAL must be >= 1")
+        if self.questions_per_agent < 16:
+            raise SettingsError("QS_QUESTIONS_PER_AGENT must be at least 16 (one per bucket)")
         if self.outbox_maxlen < 1000:
             raise SettingsError("QS_OUTBOX_MAXLEN must be at least 1000")
         self.validate_delivery()

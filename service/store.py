@@ -99,6 +99,8 @@ class QuestionStore:
         self.retention_ms = settings.retention_seconds * 1000
         self.idempotency_ttl_ms = settings.idempotency_ttl_seconds * 1000
         self.outbox_maxlen = settings.outbox_maxlen
+        # One bucket's share of an agent's cap: a create sees only its own bucket (one slot).
+        self.asker_bucket_cap = -(-settings.questions_per_agent // BUCKETS)
         self.sweep_batch = settings.sweep_batch
         # An index outlives every question in it: longest deadline + retention + a day.
         self.index_ttl_ms = (MAX_EXPIRES_IN + settings.retention_seconds + 86400) * 1000
@@ -159,6 +161,7 @@ class QuestionStore:
             "outbox maxlen": self.outbox_maxlen,
             "webhook url": new.webhook_url,
             "webhook secret": new.webhook_secret,
+            "asker cap": self.asker_bucket_cap,
         }
         return await self.scripts.call("create", keys, args)
 

@@ -32,6 +32,7 @@ STATUS: dict[type[errors.ServiceError], int] = {
     errors.Invalid: 422,
     errors.TooManyStreams: 429,
     errors.TooManyWaits: 429,
+    errors.TooManyQuestions: 429,
     errors.Unavailable: 503,
 }
 STORE_DOWN = OUTAGES
