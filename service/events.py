@@ -77,25 +77,21 @@ class EventRelay(OutboxConsumer):
     async def process(self, read: Read) -> None:
         """Every event of the read appended to its recipients' streams, in round trips of
         RUN_ALL_BATCH commands: a read of 500 events for a 10,000-member room is ten million
-        commands, too many to hold at once."""
+        commands, too many to hold at once. Every entry is decoded before the first round
+        trip, so an entry that cannot be (see OutboxConsumer) fails the read before anything
+        was appended, and the one-by-one pass after it appends nothing twice."""
+        events = decoded(read)
         rooms: dict[str, list[str]] = {}
         commands: list[tuple[Any, ...]] = []
         trim = ("MAXLEN", "~", self.maxlen)
-        for outbox, entries in read:
-            for entry_id, fields in entries:
-                if not fields:
-                    continue  # trimmed away before we read it
-                kind = CREATED if fields["type"] == CREATED else RESOLVED
-                question = pairs_to_fields(msgspec.json.decode(fields["question"]))
-                data = to_json(envelope(question)).decode()
-                ref = f"{outbox}/{entry_id}"
-                for principal in await self._recipients(kind, question, rooms):
-                    stream = self.keys.events(principal)
-                    commands.append(("XADD", stream, *trim, "*", "type", kind, "data", data, "outbox", ref))
-                    commands.append(("EXPIRE", stream, self.ttl_seconds))
-                if len(commands) >= RUN_ALL_BATCH:
-                    await run_all(self.redis, commands)
-                    commands.clear()
+        for kind, question, data, ref in events:
+            for principal in await self._recipients(kind, question, rooms):
+                stream = self.keys.events(principal)
+                commands.append(("XADD", stream, *trim, "*", "type", kind, "data", data, "outbox", ref))
+                commands.append(("EXPIRE", stream, self.ttl_seconds))
+            if len(commands) >= RUN_ALL_BATCH:
+                await run_all(self.redis, commands)
+                commands.clear()
         if commands:
             await run_all(self.redis, commands)
 
@@ -239,6 +235,19 @@ class EventHub:
             if event is not None:
                 subscriber.queue.put_nowait(event)
             subscriber.position = entry_id
+
+
+def decoded(read: Read) -> list[tuple[str, dict[str, str], str, str]]:
+    """(kind, question fields, envelope JSON, source ref) of each event of an outbox read."""
+    events = []
+    for outbox, entries in read:
+        for entry_id, fields in entries:
+            if not fields:
+                continue  # trimmed away before we read it
+            kind = CREATED if fields["type"] == CREATED else RESOLVED
+            question = pairs_to_fields(msgspec.json.decode(fields["question"]))
+            events.append((kind, question, to_json(envelope(question)).decode(), f"{outbox}/{entry_id}"))
+    return events
 
 
 def _event(stream: str, entry_id: str, fields: dict[str, Any]) -> Event | None:

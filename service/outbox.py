@@ -9,9 +9,11 @@ over with XAUTOCLAIM once idle long enough. Processing must be idempotent, becau
 handled twice.
 
 An entry no retry can process (not written by the scripts: an operator's XADD, a bug) must not
-hold back the events read with it: a read whose processing fails for a reason other than Redis is
-processed again one entry at a time, and only the entries that fail alone are skipped (logged
-with their ids, counted in `qs_outbox_skipped`) and acknowledged with the rest.
+hold back the events read with it: a read that fails on an entry's content (POISON) is processed
+again one entry at a time, and only the entries that fail alone are skipped (logged with their
+ids, counted in `qs_outbox_skipped`) and acknowledged with the rest. Any other failure (Redis
+unreachable or refusing, a failover, a WRONGTYPE an operator can fix) acknowledges nothing: the
+read comes back, whole, after RECLAIM_IDLE_MS.
 """
 
 from __future__ import annotations
@@ -26,16 +28,19 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import DataError, RedisError, ResponseError
 
 from service.backoff import Backoff, keep_running
 from service.coalesce import exchange
-from service.errors import Unavailable
 from service.keys import BUCKETS, Keys
 from service.redis_client import is_cluster
+from service.scripts import ScriptMisuse
 
 log = logging.getLogger(__name__)
-OUTAGE = (RedisError, OSError, Unavailable)  # scripts turn a refusal (OOM, READONLY) into Unavailable
+# What an entry's own content can raise, the same on every retry: a missing field, JSON that does
+# not decode, a value redis-py cannot send, a script refusing its arguments as misuse. Only these
+# make a read go one entry at a time; an outage must never get an event skipped.
+POISON = (KeyError, ValueError, TypeError, IndexError, DataError, ScriptMisuse)
 Entries = Sequence[tuple[str, dict[str, str]]]
 Read = Sequence[tuple[str, Entries]]  # (outbox, its entries) for each outbox one read returned
 RECLAIM_IDLE_MS = 30_000
@@ -67,9 +72,7 @@ class OutboxConsumer(abc.ABC):
         that fail would drop their events."""
         try:
             await self.process(read)
-        except OUTAGE:
-            raise  # Redis is unreachable or refused: nothing is acknowledged, all is read again
-        except Exception:
+        except POISON:
             log.warning("%s: a read of %d entries failed; processing them one by one", self.label, size(read))
             await self._process_one_by_one(read)
         await run_all(
@@ -82,9 +85,7 @@ class OutboxConsumer(abc.ABC):
             for entry in entries:
                 try:
                     await self.process([(outbox, [entry])])
-                except OUTAGE:
-                    raise
-                except Exception:
+                except POISON:
                     self.skipped += 1
                     log.exception(
                         "%s: skipped outbox entry %s %s (fields %s): it fails on its own",

@@ -283,6 +283,49 @@ async def test_an_entry_the_scripts_did_not_write_is_skipped_and_the_events_read
     assert skipped[0].exc_info is not None
 
 
+async def test_a_poison_entry_after_a_big_rooms_event_appends_that_event_once_not_twice(
+    no_relay: NoRelay,
+) -> None:
+    """The one-by-one pass after a failed read must not append again what the failed pass had
+    already sent (a big room's event fills a round trip before the poison entry is reached)."""
+    api, redis, keys = no_relay.api, no_relay.redis, no_relay.keys
+    await api.room("crowd", ["alice"])
+    await redis.sadd(keys.room_members("crowd"), *(f"m{i}" for i in range(1100)))  # 2,200 commands
+    relay = no_relay.relay()
+    await relay.ensure_groups()
+    asked = (await api.ask(no_relay.agent, {"room": "crowd"}))["id"]
+    outbox = keys.outbox(int(asked[0], 16))
+    await redis.xadd(outbox, {"type": "question.created", "question": "not JSON"})
+    read = await redis.xreadgroup(GROUP, relay.consumer, {outbox: ">"}, count=10)
+    assert len(read[0][1]) == 2
+
+    await relay.consume(read)
+
+    assert relay.skipped == 1
+    for member in ("m0", "m1099", "alice"):
+        assert await redis.xlen(keys.events(member)) == 1
+
+
+async def test_a_failover_error_during_a_read_acknowledges_nothing_and_skips_nothing(
+    no_relay: NoRelay, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """redis-py raises AttributeError when a failover drops a connection under a call: an outage,
+    not a poison entry, so the read must come back whole rather than be skipped."""
+    relay = no_relay.relay()
+    _, outbox, entries = await no_relay.ask_and_take(relay)
+
+    async def failover(redis: Redis, commands: Any, **kwargs: Any) -> Any:
+        raise AttributeError("'NoneType' object has no attribute 'write'")
+
+    monkeypatch.setattr(outbox_module, "exchange", failover)
+    with pytest.raises(AttributeError):
+        await relay.consume([(outbox, entries)])
+    monkeypatch.undo()
+
+    assert relay.skipped == 0
+    assert (await no_relay.redis.xpending(outbox, GROUP))["pending"] == 1
+
+
 async def until_blocked_in_xread(redis: Redis, client_name: str) -> None:
     async with asyncio.timeout(5):
         while True:
