@@ -153,7 +153,7 @@ async function refresh(s) {
   const stillPending = new Set(pending.items.map((q) => q.id));
   for (const q of [...pending.items, ...recent.items]) upsert(s, q);
   for (const entry of s.entries.values()) {
-    if (entry.q.state === "pending" && !stillPending.has(entry.q.id)) refetch(s, entry);
+    if (entry.q.state === "pending" && !entry.gone && !stillPending.has(entry.q.id)) refetch(s, entry);
   }
 }
 
@@ -208,7 +208,13 @@ async function revealWanted(s) {
 /** Merge an envelope: a newer version replaces the cell's story; an older or equal one is ignored. */
 function upsert(s, q, { mine = false } = {}) {
   if (session !== s) return;
-  const entry = s.entries.get(q.id);
+  let entry = s.entries.get(q.id);
+  if (entry && entry.gone) {
+    // Shown to me again (back in the room, or my own tap's reply): a fresh cell replaces it.
+    entry.cell.li.remove();
+    s.entries.delete(q.id);
+    entry = undefined;
+  }
   if (!entry) {
     const fresh = { q, tapped: false, busy: false, checking: false, cell: buildCell(q) };
     s.entries.set(q.id, fresh);
@@ -217,7 +223,7 @@ function upsert(s, q, { mine = false } = {}) {
     updateCounts();
     return;
   }
-  if (entry.gone || q.version < entry.q.version || (q.version === entry.q.version && !mine)) return;
+  if (q.version < entry.q.version || (q.version === entry.q.version && !mine)) return;
   entry.q = q;
   render(s, entry);
   updateCounts();
@@ -329,6 +335,7 @@ async function tap(button) {
       markGone(s, entry);
       return;
     }
+    if (entry.gone) return; // a re-fetch found it gone meanwhile; the cell says so already
     entry.cell.story.textContent = `Not sent: ${err.message}. Try again.`;
     setButtonsDisabled(entry, false);
   } finally {

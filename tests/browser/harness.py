@@ -139,7 +139,7 @@ async def open_inbox(
         if token:
             await expect(page.locator("#live")).to_have_attribute("data-live", "true")
         yield inbox
-        assert inbox.problems == [], "the page logged errors"
+        assert inbox.problems == [], f"the page logged errors: {inbox.problems}"
     finally:
         await context.close()
 

@@ -424,3 +424,34 @@ async def test_a_member_who_left_the_room_taps_and_the_cell_says_it_is_no_longer
         await expect(inbox.page.locator("#waiting-count")).to_have_text("(0)")
         await expect(inbox.page.locator(f"#history [data-id='{q['id']}']")).to_be_visible()
     assert (await service.api.get(asked.agent_token, q["id"])).body["state"] == "pending"
+
+
+async def test_a_gone_cell_comes_back_when_its_member_rejoins_and_the_page_reconnects(
+    browser: Browser, service: Service
+) -> None:
+    asked = await room_question(service, "rejoin", "Rotate the keys?", ["Rotate", "Later"])
+    q, room = asked.q, asked.room
+    async with open_inbox(browser, service.base_url, asked.alice_token) as inbox:
+        await service.api.room(room, [asked.bob])
+        inbox.expected += ["status of 404", "event stream dropped", "ERR_INCOMPLETE_CHUNKED_ENCODING"]
+        await inbox.option(q["id"], "Rotate").click()
+        await expect(inbox.story(q["id"])).to_have_text(
+            f"You are no longer in room {room}, so this is not yours to answer."
+        )
+        await service.api.room(room, [asked.alice, asked.bob])  # back in the room
+
+        drop_every_connection(service)  # the event stream drops; the page reconnects and reloads
+
+        await expect(inbox.option(q["id"], "Later")).to_be_visible()
+        await expect(inbox.page.locator("#waiting-count")).to_have_text("(1)")
+        await inbox.option(q["id"], "Later").click()
+        await expect(inbox.story(q["id"])).to_have_text("You answered Later")
+
+
+def drop_every_connection(service: Service) -> None:
+    runner = service.client.server.runner
+    assert runner is not None
+    assert runner.server is not None
+    for connection in runner.server.connections:
+        assert connection.transport is not None
+        connection.transport.close()
