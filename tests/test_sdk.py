@@ -28,6 +28,7 @@ from service.client import (
     ProblemError,
     Retry,
     Room,
+    TooManyRequests,
     TransportError,
     Unavailable,
     User,
@@ -43,6 +44,7 @@ from tests.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 LIMIT = "60s"  # a broken service fails a test with WaitTimeout instead of hanging it
+PROBLEMS = "https://question-service.invalid/problems/"
 
 
 # -- the live service's people, as SDK clients -----------------------------------------------
@@ -90,6 +92,9 @@ class Proxy:
         if step == "503":
             problem = {"type": "about:blank", "title": "Unavailable", "status": 503, "detail": "proxy"}
             return web.json_response(problem, status=503, content_type="application/problem+json")
+        if step == "429":  # as the service answers a principal at its QS_WAITS_PER_PRINCIPAL
+            problem = {"type": PROBLEMS + "too-many-waits", "title": "Too many", "status": 429, "detail": "x"}
+            return web.json_response(problem, status=429, content_type="application/problem+json")
         if step == "drop":
             return self.hang_up(request)
         body = await request.read()
@@ -433,6 +438,37 @@ async def test_a_503_that_lasts_past_the_retries_is_raised_as_unavailable(live: 
         with pytest.raises(Unavailable) as caught:
             await agent.get("anything")
     assert caught.value.status == 503
+
+
+async def test_a_429_for_parked_waits_is_retried_and_one_for_kept_questions_is_raised_at_once(
+    settings: Settings,
+) -> None:
+    async with serve(settings.replace(questions_per_agent=16)) as live_url:
+        live = await populate(live_url)
+        async with (
+            proxy_to(live.url, r"/wait$", ["429", "429"]) as (url, proxy),
+            AsyncClient(url, live.agent, retry=FAST) as agent,
+        ):
+            q = await agent.ask("Still there?", ["yes", "no"], to=User("alice"), timeout=60)
+            async with live.client(live.alice) as alice:
+                await alice.answer(q.id, "yes")
+            assert (await q.wait(timeout=LIMIT)).answered("yes")  # retried past both 429s
+            created, refused = await asks_until_refused(agent, 40)  # 40 asks, 16 places (1 per bucket)
+    assert refused.slug == "too-many-questions"
+    asks = [s for s in proxy.seen if s.startswith("POST /v1/questions ")]
+    statuses = [s for s in proxy.seen if s.endswith(" 429")]
+    assert len(statuses) == 2
+    assert len(asks) == 1 + created + 1  # the first question, the created, one try of the refused
+
+
+async def asks_until_refused(agent: AsyncClient, tries: int) -> tuple[int, TooManyRequests]:
+    """(questions created, the refusal) of asking until the first refusal."""
+    for created in range(tries):
+        try:
+            await agent.ask("Again?", ["yes", "no"], to=User("alice"), timeout=60)
+        except TooManyRequests as refused:
+            return created, refused
+    raise AssertionError(f"{tries} asks, none refused")
 
 
 # -- the blocking client ------------------------------------------------------------------------

@@ -65,6 +65,11 @@ class ValidationFailed(ProblemError):
     """422: well-formed but not valid (unknown option, unknown target, reused idempotency key ...)."""
 
 
+class TooManyRequests(ProblemError):
+    """429: a limit of the caller (too many questions kept, long polls parked, event streams open);
+    `slug` names which."""
+
+
 class Unavailable(ProblemError):
     """503 (after the retries ran out): the service's store is unreachable."""
 
@@ -78,6 +83,7 @@ PROBLEM_CLASSES: dict[int, type[ProblemError]] = {
     413: TooLarge,
     415: UnsupportedMediaType,
     422: ValidationFailed,
+    429: TooManyRequests,
     503: Unavailable,
 }
 
