@@ -15,7 +15,7 @@ import pytest
 from playwright.async_api import Browser, Route, expect
 
 from tests.browser import screenshot
-from tests.browser.harness import PHONE, Service, open_inbox
+from tests.browser.harness import PHONE, Inbox, Service, open_inbox
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -404,7 +404,7 @@ async def test_the_screenshot_script_renders_the_seeded_inbox(
     assert out.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
-async def test_a_member_who_left_the_room_taps_and_the_cell_says_it_is_no_longer_theirs(
+async def test_a_member_who_left_the_room_taps_sees_it_is_no_longer_theirs_and_gets_it_back_on_rejoining(
     browser: Browser, service: Service
 ) -> None:
     asked = await room_question(service, "rota", "Page the DBA?", ["Page", "Wait"])
@@ -412,40 +412,31 @@ async def test_a_member_who_left_the_room_taps_and_the_cell_says_it_is_no_longer
     async with open_inbox(browser, service.base_url, asked.alice_token) as inbox:
         await expect(inbox.option(q["id"], "Page")).to_be_visible()
         await expect(inbox.page.locator("#waiting-count")).to_have_text("(1)")
-        await service.api.room(room, [asked.bob])  # alice leaves while the cell offers its buttons
-        inbox.expected.append("the server responded with a status of 404")
+        await tap_after_leaving(service, inbox, asked, "Page")
 
-        await inbox.option(q["id"], "Page").click()
-
-        await expect(inbox.story(q["id"])).to_have_text(
-            f"You are no longer in room {room}, so this is not yours to answer."
-        )
         await expect(inbox.option(q["id"], "Page")).to_have_count(0)
         await expect(inbox.page.locator("#waiting-count")).to_have_text("(0)")
         await expect(inbox.page.locator(f"#history [data-id='{q['id']}']")).to_be_visible()
-    assert (await service.api.get(asked.agent_token, q["id"])).body["state"] == "pending"
+        assert (await service.api.get(asked.agent_token, q["id"])).body["state"] == "pending"
 
-
-async def test_a_gone_cell_comes_back_when_its_member_rejoins_and_the_page_reconnects(
-    browser: Browser, service: Service
-) -> None:
-    asked = await room_question(service, "rejoin", "Rotate the keys?", ["Rotate", "Later"])
-    q, room = asked.q, asked.room
-    async with open_inbox(browser, service.base_url, asked.alice_token) as inbox:
-        await service.api.room(room, [asked.bob])
-        inbox.expected += ["status of 404", "event stream dropped", "ERR_INCOMPLETE_CHUNKED_ENCODING"]
-        await inbox.option(q["id"], "Rotate").click()
-        await expect(inbox.story(q["id"])).to_have_text(
-            f"You are no longer in room {room}, so this is not yours to answer."
-        )
         await service.api.room(room, [asked.alice, asked.bob])  # back in the room
-
+        inbox.expected += ["event stream dropped", "ERR_INCOMPLETE_CHUNKED_ENCODING"]
         drop_every_connection(service)  # the event stream drops; the page reconnects and reloads
 
-        await expect(inbox.option(q["id"], "Later")).to_be_visible()
+        await expect(inbox.option(q["id"], "Wait")).to_be_visible()
         await expect(inbox.page.locator("#waiting-count")).to_have_text("(1)")
-        await inbox.option(q["id"], "Later").click()
-        await expect(inbox.story(q["id"])).to_have_text("You answered Later")
+        await inbox.option(q["id"], "Wait").click()
+        await expect(inbox.story(q["id"])).to_have_text("You answered Wait")
+
+
+async def tap_after_leaving(service: Service, inbox: Inbox, asked: RoomQuestion, label: str) -> None:
+    """Alice leaves the room while her cell still offers its buttons, then taps one: a 404."""
+    await service.api.room(asked.room, [asked.bob])
+    inbox.expected.append("the server responded with a status of 404")
+    await inbox.option(asked.q["id"], label).click()
+    await expect(inbox.story(asked.q["id"])).to_have_text(
+        f"You are no longer in room {asked.room}, so this is not yours to answer."
+    )
 
 
 def drop_every_connection(service: Service) -> None:
