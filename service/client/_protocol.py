@@ -157,21 +157,13 @@ def decode(response: httpx.Response) -> Any:
 
 # A 429 that retrying within seconds cannot cure: the agent's kept questions leave only as the
 # retention removes them. Other 429s (parked waits, open streams) clear as others finish.
-LASTING_LIMITS = ("/too-many-questions",)
+LASTING_LIMITS = frozenset({"too-many-questions"})
 
 
 def retryable(response: httpx.Response) -> bool:
     if response.status_code == 429:
-        return not str(problem_type(response)).endswith(LASTING_LIMITS)
+        return problem(response).slug not in LASTING_LIMITS
     return response.status_code >= 500 or response.status_code == 408
-
-
-def problem_type(response: httpx.Response) -> str:
-    try:
-        body = decode(response)
-    except ValueError:
-        return "about:blank"
-    return str(body.get("type", "about:blank")) if isinstance(body, dict) else "about:blank"
 
 
 def retry_after(response: httpx.Response) -> float | None:
