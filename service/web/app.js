@@ -153,7 +153,7 @@ async function refresh(s) {
   const stillPending = new Set(pending.items.map((q) => q.id));
   for (const q of [...pending.items, ...recent.items]) upsert(s, q);
   for (const entry of s.entries.values()) {
-    if (entry.q.state === "pending" && !entry.gone && !stillPending.has(entry.q.id)) refetch(s, entry);
+    if (isOpen(entry) && !stillPending.has(entry.q.id)) refetch(s, entry);
   }
 }
 
@@ -172,14 +172,9 @@ async function refetch(s, entry) {
 function markGone(s, entry) {
   if (session !== s || entry.gone) return;
   entry.gone = true;
-  const hadFocus = entry.cell.li.contains(document.activeElement);
-  entry.cell.li.dataset.state = "gone";
-  entry.cell.options.remove();
-  entry.cell.countdown.textContent = "";
-  entry.cell.story.textContent = goneStory(entry.q);
+  closeCell(entry.cell, "gone", goneStory(entry.q));
   place(entry, view.history);
   updateCounts();
-  if (hadFocus) entry.cell.story.focus();
 }
 
 /** Scroll to the question a notification pointed at, and focus its first control. */
@@ -276,16 +271,27 @@ function element(tag, className, text) {
 
 function render(s, entry) {
   const { q, cell } = entry;
-  cell.li.dataset.state = q.state;
   if (q.state === "pending") {
+    cell.li.dataset.state = q.state;
     updateCountdown(s, entry);
     return;
   }
+  closeCell(cell, q.state, story(q, s.me, entry.tapped, s.api.now()));
+}
+
+/** A cell that offers nothing any more: its buttons and countdown give way to its sentence. */
+function closeCell(cell, state, sentence) {
   const hadFocus = cell.li.contains(document.activeElement);
+  cell.li.dataset.state = state;
   cell.options.remove();
   cell.countdown.textContent = "";
-  cell.story.textContent = story(q, s.me, entry.tapped, s.api.now());
+  cell.story.textContent = sentence;
   if (hadFocus) cell.story.focus();
+}
+
+/** Still waiting for my answer: pending, and shown to me. */
+function isOpen(entry) {
+  return entry.q.state === "pending" && !entry.gone;
 }
 
 function updateCountdown(s, entry) {
@@ -297,8 +303,7 @@ function updateCountdown(s, entry) {
 /** At zero the server expires the question; fetch until it says so (the event may come first). */
 async function checkExpiry(s, entry) {
   entry.checking = true;
-  const open = () => session === s && entry.q.state === "pending" && !entry.gone;
-  for (let i = 0; i < EXPIRY_CHECKS && open(); i++) {
+  for (let i = 0; i < EXPIRY_CHECKS && session === s && isOpen(entry); i++) {
     await refetch(s, entry);
     if (entry.q.state !== "pending") return;
     await new Promise((resolve) => setTimeout(resolve, EXPIRY_CHECK_MS));
@@ -307,7 +312,7 @@ async function checkExpiry(s, entry) {
 
 function updateCounts() {
   const entries = session ? [...session.entries.values()] : [];
-  const waiting = entries.filter((e) => e.q.state === "pending" && !e.gone).length;
+  const waiting = entries.filter(isOpen).length;
   view.waitingCount.textContent = `(${waiting})`;
   view.waitingEmpty.hidden = view.waiting.children.length > 0;
   view.historyEmpty.hidden = view.history.children.length > 0;
@@ -318,7 +323,7 @@ function updateCounts() {
 async function tap(button) {
   const s = session;
   const entry = s && s.entries.get(button.closest(".cell").dataset.id);
-  if (!entry || entry.q.state !== "pending" || entry.busy || entry.gone) return;
+  if (!entry || !isOpen(entry) || entry.busy) return;
   entry.tapped = entry.busy = true;
   const label = optionLabel(entry.q, button.dataset.option);
   setButtonsDisabled(entry, true);
@@ -374,7 +379,7 @@ window.addEventListener("hashchange", () => {
 setInterval(() => {
   if (!session) return;
   for (const entry of session.entries.values()) {
-    if (entry.q.state === "pending" && !entry.gone) updateCountdown(session, entry);
+    if (isOpen(entry)) updateCountdown(session, entry);
   }
 }, 1000);
 
