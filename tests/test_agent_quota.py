@@ -10,20 +10,15 @@ from service.http.appkeys import SETTINGS
 from service.keys import BUCKETS, Keys, bucket_of
 from tests.api import Api, Reply
 from tests.conftest import ADMIN_TOKEN, close_client, start_client, test_settings
+from tests.helpers_reliability import ask_body
 from tests.redis_server import RedisServer
 
 ASKS = 60  # with one place per bucket, some of these land in a bucket already taken
-ASK = {
-    "prompt": "Proceed?",
-    "options": [{"id": "yes", "label": "Yes"}, {"id": "no", "label": "No"}],
-    "to": {"user": "alice"},
-    "expires_in": 60,
-}
 
 
 async def ask(api: Api, token: str, idempotency_key: str | None = None) -> Reply:
     headers = {} if idempotency_key is None else {"Idempotency-Key": idempotency_key}
-    return await api.call("POST", "/v1/questions", token, ASK, headers=headers)
+    return await api.call("POST", "/v1/questions", token, ask_body({"user": "alice"}), headers=headers)
 
 
 async def test_an_agent_at_its_cap_gets_429_and_nothing_is_written_while_others_still_ask(

@@ -12,7 +12,7 @@ from service.http.app import create_app
 from service.http.appkeys import QUESTIONS
 from tests.api import Api
 from tests.conftest import ADMIN_TOKEN, close_client, start_client, test_settings
-from tests.helpers_reliability import eventually
+from tests.helpers_reliability import ask_body, eventually
 from tests.live_service import on_loopback
 from tests.redis_server import RedisServer
 
@@ -74,7 +74,7 @@ async def test_a_client_that_hangs_up_gives_its_parked_wait_place_back(redis_ser
             async with http.post("/v1/admin/principals", json={"id": name, "kind": kind}, headers=admin) as r:
                 tokens[name] = (await r.json())["token"]
         agent = {"Authorization": f"Bearer {tokens['fleet']}"}
-        async with http.post("/v1/questions", json=ask_alice(), headers=agent) as r:
+        async with http.post("/v1/questions", json=ask_body({"user": "alice"}), headers=agent) as r:
             question_id = (await r.json())["id"]
 
         async def wait(timeout: float) -> int:
@@ -89,8 +89,3 @@ async def test_a_client_that_hangs_up_gives_its_parked_wait_place_back(redis_ser
         await until_parked(app, "fleet", 0)
         assert await wait(0.2) == 200
         assert app[QUESTIONS].parked == {}
-
-
-def ask_alice() -> dict[str, object]:
-    options = [{"id": "yes", "label": "Yes"}, {"id": "no", "label": "No"}]
-    return {"prompt": "Deploy?", "options": options, "to": {"user": "alice"}, "expires_in": 60}
