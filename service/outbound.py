@@ -79,12 +79,15 @@ class OutboundPolicy:
             raise Invalid("the URL's port must be 1-65535")
         if parts.username or parts.password:
             raise Invalid("the URL must not carry credentials")
-        literal = _literal_address(host)
+        # Every check reads the host as delivery sends it: IDNA folds other spellings of
+        # digits, dots and letters (full-width, circled, the ideographic full stop) into ASCII,
+        # so a full-width 127.0.0.1 is 127.0.0.1 by the time the connection is made.
+        literal = _literal_address(sent_host)
         if literal is None and not _HOST_NAME.match(sent_host):
             raise Invalid(f"{host!r} is not a host name: labels of letters, digits, '-' and '_'")
-        if literal is None and _LEGACY_IPV4.match(host):
+        if literal is None and _LEGACY_IPV4.match(sent_host):
             raise Invalid(f"{host} is an IPv4 address in a legacy form: write it as four decimal parts")
-        if (literal is not None and self.refuses(literal)) or host.lower().rstrip(".") == "localhost":
+        if (literal is not None and self.refuses(literal)) or sent_host.rstrip(".") == "localhost":
             raise Invalid(f"{host} is a loopback, private, link-local or reserved address")
         return url
 
@@ -172,8 +175,7 @@ async def post(
     def done(status: int, error: str = "") -> Attempt:
         return Attempt(status, error, round((time.monotonic() - started) * 1000))
 
-    host = urlsplit(url).hostname or ""
-    literal = _literal_address(host)
+    literal = _literal_address(URL(url).raw_host or "")  # as check_url reads it: after IDNA
     if literal is not None and policy.refuses(literal):
         # aiohttp skips the resolver for literal addresses, so they are checked here.
         return done(0, f"refused: {literal} is not an allowed address")

@@ -25,7 +25,7 @@ from standardwebhooks.webhooks import Webhook as Verifier
 from service.errors import Unavailable
 from service.http.appkeys import DELIVERY_WORKERS, REDIS
 from service.keys import BUCKETS, new_question_id
-from service.outbound import AddressRefused, GuardedResolver, OutboundPolicy, parse_nets, post
+from service.outbound import AddressRefused, GuardedResolver, OutboundPolicy, new_session, parse_nets, post
 from service.settings import Settings
 from tests.api import Api
 from tests.conftest import ADMIN_TOKEN, close_client, start_client, test_settings
@@ -142,6 +142,18 @@ async def test_registration_shows_the_secret_once_lists_without_it_rotates_and_d
         {"url": "http://0x7f.1:9/x", "events": ["question.answered"]},
         {"url": "http://0177.0.0.1/x", "events": ["question.answered"]},
         {"url": "http://8.8.8.8./x", "events": ["question.answered"]},
+        # Other spellings that IDNA folds into loopback before the connection is made:
+        {"url": "http://\uff11\uff12\uff17.0.0.1:9/x", "events": ["question.answered"]},  # full-width
+        {"url": "http://\u2460\u2461\u2466.0.0.1/x", "events": ["question.answered"]},  # circled
+        {"url": "http://127\u30020\u30020\u30021/x", "events": ["question.answered"]},  # ideographic '.'
+        {
+            "url": "http://\uff4c\uff4f\uff43\uff41\uff4c\uff48\uff4f\uff53\uff54/",
+            "events": ["question.created"],
+        },  # noqa: E501
+        {
+            "url": "http://\u24db\u24de\u24d2\u24d0\u24db\u24d7\u24de\u24e2\u24e3/",
+            "events": ["question.created"],
+        },  # noqa: E501
         {"url": "ftp://example.com/x", "events": ["question.answered"]},
         {"url": "https://user:pw@example.com/x", "events": ["question.answered"]},
         {"url": "https://example.com/x", "events": ["question.deleted"]},
@@ -331,6 +343,18 @@ async def test_the_sender_refuses_private_addresses_unless_allow_listed(
     await answered_question(api, agent)
     dead = await settled(api, agent, hook["id"], "dead")
     assert dead["history"][0]["error"].startswith("refused")
+    assert receiver.hits == []
+
+
+async def test_the_sender_refuses_a_loopback_address_spelled_in_full_width_digits(
+    receiver: RecordingReceiver,
+) -> None:
+    """aiohttp skips the resolver for a literal address, so post() checks it, as IDNA reads it."""
+    url = receiver.url.replace("127.0.0.1", "\uff11\uff12\uff17.0.0.1")
+    async with new_session(OutboundPolicy()) as session:
+        attempt = await post(session, OutboundPolicy(), url, b"{}", {}, timeout=5)
+    assert attempt.status == 0
+    assert attempt.error == "refused: 127.0.0.1 is not an allowed address"
     assert receiver.hits == []
 
 
