@@ -38,6 +38,7 @@ from service.http.routes import PRINCIPAL, ROUTES, auth_middleware
 from service.keys import Keys
 from service.logs import request_middleware
 from service.metrics import Metrics, start_metrics_site
+from service.model import RENDERED
 from service.pings import Actions
 from service.questions import QuestionService
 from service.redis_client import connect, connect_blocking
@@ -168,7 +169,11 @@ async def observability_ctx(app: web.Application) -> AsyncIterator[None]:
     metrics.sender = app[DELIVERY_WORKERS].sender
     metrics.outbox_consumers = [app[RELAY], app[DELIVERY_WORKERS].fanout]
     metrics.coalescer = app[SCRIPTS].coalescer
-    metrics.caches = {**app[DIRECTORY].caches(), "question_targets": app[QUESTIONS].targets}
+    metrics.caches = {
+        **app[DIRECTORY].caches(),
+        "question_targets": app[QUESTIONS].targets,
+        "rendered_envelopes": RENDERED,
+    }
     app[WAITERS].metrics = metrics
     await check_redis_at_start(app)
     runner = await metrics_site(app)

@@ -13,7 +13,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from service.errors import BodyTimeout, Malformed, TooLarge, UnsupportedMediaType
 from service.http.appkeys import SETTINGS
-from service.model import to_json
+from service.model import as_envelope, to_json
 
 JSON = "application/json"
 MSGPACK = "application/msgpack"
@@ -123,7 +123,7 @@ def respond(
     request: web.Request, body: Any, *, status: int = 200, headers: dict[str, str] | None = None
 ) -> web.Response:
     if wants_msgpack(request):
-        payload, content_type = msgpack.packb(body, use_bin_type=True), MSGPACK
+        payload, content_type = msgpack.packb(body, use_bin_type=True, default=as_envelope), MSGPACK
     else:
         payload, content_type = to_json(body), JSON
     # content_type in the constructor: setting it afterwards parses the header again (0.8 µs)

@@ -94,7 +94,7 @@ def check_query(request: web.Request) -> None:
 
 
 def outcome_reply(outcome: Outcome) -> dict[str, Any]:
-    return {"applied": outcome.applied, "question": outcome.question.envelope()}
+    return {"applied": outcome.applied, "question": outcome.question}
 
 
 # -- questions ----------------------------------------------------------------------------------
@@ -111,7 +111,7 @@ async def ask(request: web.Request) -> web.Response:
     if question.fields.get("hook_secret"):
         # Not in the envelope, which every path returns alike: shown to the asker here only.
         headers["Webhook-Secret"] = question.fields["hook_secret"]
-    return respond(request, question.envelope(), status=201 if created else 200, headers=headers)
+    return respond(request, question, status=201 if created else 200, headers=headers)
 
 
 async def me(request: web.Request) -> web.Response:
@@ -121,7 +121,7 @@ async def me(request: web.Request) -> web.Response:
 
 async def get_question(request: web.Request) -> web.Response:
     question = await request.app[QUESTIONS].get(request[PRINCIPAL], request.match_info["id"])
-    return respond(request, question.envelope())
+    return respond(request, question)
 
 
 async def list_questions(request: web.Request) -> web.Response:
@@ -136,8 +136,7 @@ async def list_questions(request: web.Request) -> web.Response:
         limit=bounded_int(q.get("limit"), "limit", 1, 200, default=50),
         cursor=q.get("cursor") or None,
     )
-    items = [item.envelope() for item in page.items]
-    return respond(request, {"items": items, "next_cursor": page.next_cursor})
+    return respond(request, {"items": page.items, "next_cursor": page.next_cursor})
 
 
 async def answer(request: web.Request) -> web.Response:
@@ -164,7 +163,7 @@ async def wait(request: web.Request) -> web.Response:
     timeout, preferred = wait_seconds(request)
     question = await request.app[QUESTIONS].wait(request[PRINCIPAL], request.match_info["id"], timeout)
     headers = {"Preference-Applied": f"wait={timeout:g}"} if preferred else {}
-    return respond(request, question.envelope(), headers=headers)
+    return respond(request, question, headers=headers)
 
 
 async def wait_many(request: web.Request) -> web.Response:
@@ -177,8 +176,7 @@ async def wait_many(request: web.Request) -> web.Response:
     questions, met = await request.app[QUESTIONS].wait_many(
         request[PRINCIPAL], body.ids, timeout, every=body.mode == "all"
     )
-    items = [q.envelope() for q in questions]
-    return respond(request, {"items": items, "mode": body.mode, "condition_met": met})
+    return respond(request, {"items": questions, "mode": body.mode, "condition_met": met})
 
 
 def wait_seconds(request: web.Request) -> tuple[float, bool]:
