@@ -149,11 +149,11 @@ async def test_registration_shows_the_secret_once_lists_without_it_rotates_and_d
         {
             "url": "http://\uff4c\uff4f\uff43\uff41\uff4c\uff48\uff4f\uff53\uff54/",
             "events": ["question.created"],
-        },  # noqa: E501
+        },
         {
             "url": "http://\u24db\u24de\u24d2\u24d0\u24db\u24d7\u24de\u24e2\u24e3/",
             "events": ["question.created"],
-        },  # noqa: E501
+        },
         {"url": "ftp://example.com/x", "events": ["question.answered"]},
         {"url": "https://user:pw@example.com/x", "events": ["question.answered"]},
         {"url": "https://example.com/x", "events": ["question.deleted"]},
