@@ -271,6 +271,16 @@ class QuestionService:
                 raise
             return Outcome(False, question)
 
+    async def as_the_link_left_it(self, question_id: str) -> Question:
+        """The question of a used action link, as it is now. A link is marked used only by a tap
+        that ended in the question's final state, and it proves its user was asked: whether the
+        user is still in the room does not hide that state (the repeated tap is a 409 that shows
+        it, not a 404)."""
+        question = await self.store.read(question_id)
+        if question is None:
+            raise NotFound(f"no question {question_id!r}")
+        return question
+
     async def _answer_as(self, user: Principal, question_id: str, option: str, call_id: str) -> Reply:
         """Answer with the room membership this question needs, read just before the script.
         A question whose target this process does not know yet is first tried as a direct

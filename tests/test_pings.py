@@ -409,6 +409,29 @@ async def test_a_stale_room_link_shows_how_the_question_ended_even_after_its_use
     assert late.body == {"applied": False, "question": answered.body["question"]}
 
 
+async def test_a_used_room_link_tapped_again_after_its_user_left_the_room_is_409_with_the_question(
+    service: tuple[Api, Settings], receivers: RecordingReceiver
+) -> None:
+    api, _ = service
+    bob = await api.principal("bob", "user")
+    await api.principal("carol", "user")
+    agent = await api.principal("deploybot", "agent")
+    await api.room("ops", ["bob", "carol"])
+    await put_channel(api, bob, "phone", {"kind": "ntfy", "url": f"{receivers.base}/ntfy"})
+    question = await api.ask(agent, {"room": "ops"})
+    yes = ACTION_URL.findall((await receivers.at("/ntfy", 1))[0].headers["Actions"])[0]
+    first = await post_action(api, yes)
+    assert first.status == 200
+    assert first.body["applied"] is True
+    await api.room("ops", ["carol"])
+
+    again = await post_action(api, yes)
+    assert again.status == 409, again.body
+    assert again.body["type"].endswith("/action-used")
+    assert again.body["question"] == first.body["question"]
+    assert (await api.get(agent, question["id"])).body == first.body["question"]
+
+
 @pytest.mark.parametrize("ending", ["cancel", "expire"])
 async def test_a_room_question_pings_every_member_and_is_withdrawn_when_it_ends(
     service: tuple[Api, Settings], receivers: RecordingReceiver, ending: str

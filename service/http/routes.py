@@ -366,7 +366,7 @@ async def act(request: web.Request) -> web.Response:
     actions, questions = request.app[ACTIONS], request.app[QUESTIONS]
     claim, user, first = await actions.claim(token)
     if not first:
-        question = await questions.get(user, claim.question)
+        question = await questions.as_the_link_left_it(claim.question)
         raise ActionUsed("each action link answers once; this one already did", question=question.envelope())
     try:
         # Keyed by the link: a retry of a tap whose reply was lost is told it applied.
