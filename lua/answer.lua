@@ -26,7 +26,8 @@
   Output:
     {'applied', fields}      this call answered the question
     {'applied', fields, 'again'}  a re-run of the call that did (same call id: a client retry,
-                             or the same request sent again with its Idempotency-Key)
+                             or the same request sent again with its Idempotency-Key); checked
+                             first, so it holds after the responder has left the room too
     {'stale', fields}        already terminal
     {'stale', fields, 'expired_now'}  the deadline has passed: this call expired it
     {'not_found'}            no such question
@@ -50,6 +51,11 @@ local k = transition_keys()
 local q = redis.call('HMGET', KEYS[1], 'state', 'to_kind', 'to_id', 'opt_ids', 'expires_ms', 'tcall')
 if not q[1] then
   return {'not_found'}
+end
+if q[6] == ARGV[4] then
+  -- The call that answered, run again: the same outcome as its first run, whatever the
+  -- responder's rooms are now (only this call's id can be the transition's call id).
+  return {'applied', redis.call('HGETALL', KEYS[1]), 'again'}
 end
 local eligible = (q[2] == 'user' and q[3] == ARGV[2])
   or (q[2] == 'room' and string.find(ARGV[5], '|' .. q[3] .. '|', 1, true) ~= nil)

@@ -213,6 +213,26 @@ async def test_the_same_answer_key_from_another_room_member_is_not_told_applied(
     assert carol.body["question"]["answer"]["responder"] == "bob"
 
 
+async def test_an_answer_resent_with_its_key_after_the_responder_left_the_room_is_told_applied(
+    api: Api,
+) -> None:
+    agent, _ = await people(api)
+    await api.principal("bob", "user")
+    bob = (await api.call("POST", "/v1/admin/principals/bob/tokens", ADMIN_TOKEN)).body["token"]
+    await api.room("ops", ["bob"])
+    question = (await api.call("POST", "/v1/questions", agent, ask_body({"room": "ops"}))).body
+    path = f"/v1/questions/{question['id']}/answer"
+    key = {"Idempotency-Key": "tap-1"}
+    first = await api.call("POST", path, bob, {"option": "yes"}, headers=key)
+    await api.room("ops", [])
+
+    retried = await api.call("POST", path, bob, {"option": "yes"}, headers=key)
+    assert retried.status == 200, retried.body
+    assert retried.body == first.body == {"applied": True, "question": first.body["question"]}
+    unkeyed = await api.call("POST", path, bob, {"option": "yes"})
+    assert unkeyed.status == 404  # a new request from outside the room still sees nothing
+
+
 async def test_a_cancel_sent_again_with_its_idempotency_key_is_told_applied(api: Api) -> None:
     agent, _ = await people(api)
     question = (await api.call("POST", "/v1/questions", agent, ask_body({"user": "alice"}))).body
