@@ -16,13 +16,19 @@
     ARGV[6] secret           the signing secret (whsec_...)
 
   Output:
-    {'applied', created}     registered; created is Redis TIME, ms
+    {'applied', created}     registered; created is Redis TIME, ms; also on a re-run of the call
+                             (the id is new per call), which writes nothing
     {'full'}                 the owner has `cap` endpoints already; nothing written
 
   Events: none.
 ]]
 --@include "now_ms"
 local now = now_ms()
+if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 1 then
+  -- A re-run (redis-py resends after a lost reply): checked before the cap, which the first
+  -- run may have filled.
+  return {'applied', redis.call('HGET', KEYS[1], 'created_ms')}
+end
 if redis.call('SCARD', KEYS[2]) >= tonumber(ARGV[2]) then
   return {'full'}
 end

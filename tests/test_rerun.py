@@ -14,10 +14,11 @@ from service.delivery import Delivery, DeliveryStore
 from service.http.appkeys import STORE, SWEEPER
 from service.keys import bucket_of
 from service.model import envelope
-from service.outbound import Attempt
+from service.outbound import Attempt, OutboundPolicy
 from service.scripts import Code, Reply, ScriptMisuse, Scripts, VariadicCall
 from service.settings import Settings
 from service.store import QuestionStore, new_call_id
+from service.webhooks import MAX_PER_OWNER, WebhookRegistry
 from tests.api import Api
 from tests.conftest import ADMIN_TOKEN, start_client
 from tests.conftest import test_settings as settings_for
@@ -435,3 +436,22 @@ async def test_claim_rerun_with_the_same_call_id_returns_what_the_lost_reply_lea
     assert await redis.zscore(qs.keys.deliveries_due(b), "msg_3") == lease  # not leased twice
     assert await deliveries.claim(b, lease_ms=30_000) == []  # another claim: the lease holds
     assert (await recorder.rerun_last()).code is Code.PENDING  # that one claimed nothing
+
+
+async def test_webhook_add_rerun_that_filled_the_cap_reports_the_registration_not_full(
+    store: tuple[Redis, Scripts, QuestionStore], redis: Redis
+) -> None:
+    """The first run registered the owner's last allowed endpoint; its re-run must not say
+    `full` (the caller would report a 409 for a webhook that exists)."""
+    _, scripts, qs = store
+    registry = WebhookRegistry(redis, scripts, qs.keys, OutboundPolicy())
+    for _ in range(MAX_PER_OWNER - 1):
+        await registry.create("deploybot", "https://example.com/hook", ["question.answered"])
+    recorder = Recorder(scripts)
+    last = await registry.create("deploybot", "https://example.com/last", ["question.answered"])
+    before = await snapshot(redis, qs.keys.prefix)
+
+    again = await recorder.rerun_last()
+
+    assert (again.code, again.value) == (Code.APPLIED, str(last.created_ms))
+    assert await snapshot(redis, qs.keys.prefix) == before
