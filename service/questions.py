@@ -395,7 +395,8 @@ def deadline_ms(body: Ask) -> int:
         if not _RFC3339.match(body.expires_at):
             # fromisoformat alone also takes ISO 8601 forms RFC 3339 does not (no seconds, basic).
             raise ValueError(body.expires_at)
-        moment = datetime.fromisoformat(body.expires_at)
+        # RFC 3339 allows a lowercase 't' and 'z'; fromisoformat (3.11) takes only capitals.
+        moment = datetime.fromisoformat(body.expires_at.upper())
     except ValueError as exc:
         raise Invalid("expires_at must be an RFC 3339 timestamp, like 2030-01-31T09:30:00Z") from exc
     if moment.tzinfo is None:

@@ -152,6 +152,13 @@ async def test_create_with_expires_at_keeps_that_deadline_to_the_millisecond(cas
     assert envelope["expires_at"] == deadline.strftime("%Y-%m-%dT%H:%M:%S.456Z")
 
 
+async def test_create_with_expires_at_in_lowercase_t_and_z_is_accepted_as_rfc3339_allows(cast: Cast) -> None:
+    deadline = (now_utc() + timedelta(hours=2)).replace(microsecond=250_000)
+    lower = deadline.strftime("%Y-%m-%dt%H:%M:%S.250z")
+    envelope = await ask(cast, expires_in=..., expires_at=lower)
+    assert envelope["expires_at"] == deadline.strftime("%Y-%m-%dT%H:%M:%S.250Z")
+
+
 async def test_create_with_expires_at_in_another_timezone_is_normalised_to_utc(cast: Cast) -> None:
     deadline = (now_utc() + timedelta(days=1)).replace(microsecond=7_000)
     shifted = deadline.astimezone(timezone(timedelta(hours=-5, minutes=-30)))
