@@ -18,7 +18,8 @@
     ARGV[2] responder        principal id, from authentication
     ARGV[3] option           option id
     ARGV[4] call id          unique per service call, reused by client retries
-    ARGV[5] responder rooms  '|room|room|': the rooms the responder belongs to, read just before
+    ARGV[5] responder rooms  '|room|room|': the rooms the responder belongs to, read just before;
+                             '?' when the caller does not know yet whom the question is aimed at
     ARGV[6] retention        ms a terminal question stays readable
     ARGV[7] outbox maxlen    approximate cap
     ARGV[8] publish          'PUBLISH', or 'SPUBLISH' on a Redis Cluster (sharded pub/sub)
@@ -32,6 +33,8 @@
     {'stale', fields, 'expired_now'}  the deadline has passed: this call expired it
     {'not_found'}            no such question
     {'not_eligible', fields} the responder is neither the target user nor in the target room
+    {'rooms_needed', room}   ARGV[5] is '?' and the question is aimed at room `room`: nothing
+                             changed or counted; the caller reads the membership and calls again
     {'unknown_option'}       ARGV[3] is not one of the question's options (checked after
                              eligibility, before the state, so a bad option is never 'stale')
 
@@ -56,6 +59,9 @@ if q[6] == ARGV[4] then
   -- The call that answered, run again: the same outcome as its first run, whatever the
   -- responder's rooms are now (only this call's id can be the transition's call id).
   return {'applied', redis.call('HGETALL', KEYS[1]), 'again'}
+end
+if ARGV[5] == '?' and q[2] == 'room' then
+  return {'rooms_needed', q[3]}
 end
 local eligible = (q[2] == 'user' and q[3] == ARGV[2])
   or (q[2] == 'room' and string.find(ARGV[5], '|' .. q[3] .. '|', 1, true) ~= nil)

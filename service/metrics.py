@@ -212,6 +212,8 @@ class Metrics:
         if kind is None:
             return
         code = reply.code.value
+        if code == "rooms_needed":  # a first call that learned only the question's room
+            return
         if reply.again:  # its first run was counted; this one only reports it again
             self._outcomes[(kind, "replayed")] += 1
             return

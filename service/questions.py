@@ -283,18 +283,19 @@ class QuestionService:
 
     async def _answer_as(self, user: Principal, question_id: str, option: str, call_id: str) -> Reply:
         """Answer with the room membership this question needs, read just before the script.
-        A question whose target this process does not know yet is first tried as a direct
-        one (the common case: one Redis call); the refusal names its room if it has one."""
+        A question whose target this process does not know yet goes without it first (the
+        common case, a direct question: one Redis call); a room question replies with its room."""
         target = self.targets.get(question_id)
-        rooms = await self._rooms_for(user, target) if target is not None else []
+        rooms = await self._rooms_for(user, target) if target is not None else None
         reply = await self.store.answer(question_id, user.id, option, rooms, call_id)
-        if reply.fields is None:
-            return reply
-        question = self._learn(Question(reply.fields))
-        if reply.code is Code.NOT_ELIGIBLE and target is None and question.target.kind == "room":
-            rooms = await self._rooms_for(user, question.target)
-            if rooms:
-                return await self.store.answer(question_id, user.id, option, rooms, call_id)
+        if reply.code is Code.ROOMS_NEEDED:
+            room = Target("room", reply.value or "")
+            self.targets.put(question_id, room)
+            reply = await self.store.answer(
+                question_id, user.id, option, await self._rooms_for(user, room), call_id
+            )
+        if reply.fields is not None:
+            self._learn(Question(reply.fields))
         return reply
 
     async def _rooms_for(self, user: Principal, target: Target) -> list[str]:

@@ -59,6 +59,7 @@ class Code(enum.StrEnum):
     NOT_ASKER = "not_asker"
     UNKNOWN_OPTION = "unknown_option"
     FULL = "full"
+    ROOMS_NEEDED = "rooms_needed"
 
 
 Fields = dict[str, str]

@@ -224,15 +224,17 @@ class QuestionStore:
         }
 
     async def answer(
-        self, question_id: str, responder: str, option: str, rooms: Sequence[str], call_id: str
+        self, question_id: str, responder: str, option: str, rooms: Sequence[str] | None, call_id: str
     ) -> Reply:
-        """`rooms`: the responder's rooms, read just before; eligibility is decided in the script."""
+        """`rooms`: the responder's rooms, read just before; eligibility is decided in the script.
+        None when the caller does not know the question's target: a room question then replies
+        ROOMS_NEEDED with its room, and changes nothing."""
         args: dict[str, str | int] = {
             "id": question_id,
             "responder": responder,
             "option": option,
             "call id": call_id,
-            "responder rooms": "|" + "|".join(rooms) + "|",
+            "responder rooms": "?" if rooms is None else "|" + "|".join(rooms) + "|",
             "retention": self.retention_ms,
             "outbox maxlen": self.outbox_maxlen,
         }

@@ -114,6 +114,24 @@ async def test_an_answer_sent_again_with_its_key_counts_as_replayed_not_as_a_sec
         assert value(after, name, **labels) - value(before, name, **labels) == added, result
 
 
+async def test_a_room_answer_in_a_process_that_never_saw_the_question_counts_one_applied_answer(
+    api: Api,
+) -> None:
+    """Such a process first calls the script without the responder's rooms; that call only
+    learns the question's room and must not count as a refused (not_eligible) answer."""
+    agent, _ = await people(api)
+    bob = await api.principal("bob", "user")
+    await api.room("ops", ["bob"])
+    question = await api.ask(agent, {"room": "ops"})
+    api.client.app[QUESTIONS].targets.drop(question["id"])  # type: ignore[index]
+    before = await scrape(api.client)
+    assert (await api.answer(bob, question["id"], "yes")).body["applied"] is True
+    after = await scrape(api.client)
+    for result, added in (("applied", 1), ("not_eligible", 0)):
+        name, labels = "qs_transitions_total", {"kind": "answered", "result": result}
+        assert value(after, name, **labels) - value(before, name, **labels) == added, result
+
+
 async def test_cache_entries_count_each_question_the_process_remembers(api: Api) -> None:
     agent, alice = await people(api)
     before = await scrape(api.client)
