@@ -37,6 +37,7 @@
                              changed or counted; the caller reads the membership and calls again
     {'unknown_option'}       ARGV[3] is not one of the question's options (checked after
                              eligibility, before the state, so a bad option is never 'stale')
+    error reply              misuse only: ARGV publish is neither PUBLISH nor SPUBLISH
 
   Events (only when a transition happens):
     PUBLISH (or SPUBLISH) KEYS[5] <cjson fields>

@@ -31,6 +31,7 @@
     {'stale', fields, 'expired_now'}  the deadline has passed: this call expired it
     {'not_found'}            no such question
     {'not_asker', fields}    the canceller is neither the asker nor allowed to cancel any
+    error reply              misuse only: ARGV publish is neither PUBLISH nor SPUBLISH
 
   Events (only when a transition happens):
     PUBLISH (or SPUBLISH) KEYS[5] <cjson fields>

@@ -31,6 +31,7 @@
     {'not_found'}            no such question (never created, or removed after retention); its
                              entry in KEYS[3], if any, is removed, so that a hash deleted outside
                              purge.lua (an operator's DEL, eviction) cannot keep a sweep looping
+    error reply              misuse only: ARGV publish is neither PUBLISH nor SPUBLISH
 
   Events (only when a transition happens):
     PUBLISH (or SPUBLISH) KEYS[5] <cjson fields>

@@ -31,7 +31,8 @@
     'stale'      already terminal
     'pending'    still pending: its deadline has not passed
     'not_found'  no such question; its entry in KEYS[1], if any, is removed (as expire.lua)
-    error reply when the keys and arguments do not come in whole triples and pairs (misuse)
+    error reply when the keys and arguments do not come in whole triples and pairs, or ARGV
+                publish is neither PUBLISH nor SPUBLISH (misuse)
 
   Events (for each question it expires):
     PUBLISH (or SPUBLISH) <its channel> <cjson fields>
