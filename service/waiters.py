@@ -29,7 +29,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from service.backoff import Backoff, stop_tasks
-from service.model import Question
+from service.model import Question, State
 from service.redis_client import as_cluster, retry_failover
 from service.scripts import Fields, pairs_to_fields
 from service.store import QuestionStore
@@ -422,7 +422,7 @@ class Waiters:
         entry = self._channels.get(channel)
         if kind == "message":
             if entry is not None:
-                self._resolve(entry, pairs_to_fields(msgspec.json.decode(message["data"])))
+                self._published(entry, message["data"])
         elif kind == "subscribe":
             if entry is None:
                 self._spawn(self._unsubscribe(channel))
@@ -442,6 +442,23 @@ class Waiters:
             self._spawn(self._resubscribe(channel))
         if entry is not None and not entry.futures and entry.pending_subscribes == 0:
             self._channels.pop(channel, None)
+
+    def _published(self, entry: _Channel, data: Any) -> None:
+        """Only the transition scripts publish on a question's channel, always its final fields.
+        Anything else (a hand-typed PUBLISH, another program sharing the Redis) wakes nobody
+        with it: the hash is the truth, so it is read again."""
+        try:
+            fields = pairs_to_fields(msgspec.json.decode(data))
+            final = fields["id"] == entry.question_id and State.of(fields["state"]).terminal
+        except (msgspec.DecodeError, KeyError, TypeError, ValueError):
+            final = False
+        if final:
+            self._resolve(entry, fields)
+            return
+        log.warning(
+            "%s carried a message that is not its question's final state: reading it", entry.question_id
+        )
+        self._spawn(self._reread(entry))
 
     async def _resubscribe(self, channel: str) -> None:
         entry = self._channels.get(channel)

@@ -85,6 +85,28 @@ async def test_waiter_is_woken_exactly_once_with_the_final_envelope(
     await until_unsubscribed(client, redis, channel)
 
 
+@pytest.mark.parametrize(
+    "foreign",
+    [b"not json", b"[]", b'["id","x","state","answered"]', b'["state","pending","id","{id}"]'],
+)
+async def test_a_message_on_the_channel_that_is_not_the_final_state_wakes_nobody_with_it(
+    api: Api, client: TestClient[object, object], redis: Redis, foreign: bytes
+) -> None:
+    agent = await api.principal("agent", "agent")
+    alice = await api.principal("alice", "user")
+    question = await api.ask(agent, {"user": "alice"})
+    waiting = asyncio.create_task(api.wait(agent, question["id"], 10))
+    await until_waiting(client, 1)
+
+    await redis.publish(
+        client.server.app[STORE].channel(question["id"]), foreign.replace(b"{id}", question["id"].encode())
+    )
+    await asyncio.sleep(0.2)
+    assert not waiting.done()
+    answered = await api.answer(alice, question["id"], "yes")
+    assert (await waiting).body == answered.body["question"]
+
+
 async def test_waiters_of_every_terminal_state_get_that_state(
     api: Api, client: TestClient[object, object], redis: Redis
 ) -> None:
