@@ -128,6 +128,21 @@ async def asked_alice_with_a_link(api: Api, receivers: RecordingReceiver) -> tup
     return agent, question, yes
 
 
+async def asked_ops_with_bobs_link(
+    api: Api, receivers: RecordingReceiver
+) -> tuple[str, str, dict[str, Any], str]:
+    """Room ops of bob (with a phone) and carol; the agent's token, carol's token, a question
+    asked of the room, and the "yes" action link of bob's Ping."""
+    bob = await api.principal("bob", "user")
+    carol = await api.principal("carol", "user")
+    agent = await api.principal("deploybot", "agent")
+    await api.room("ops", ["bob", "carol"])
+    await put_channel(api, bob, "phone", {"kind": "ntfy", "url": f"{receivers.base}/ntfy"})
+    question = await api.ask(agent, {"room": "ops"})
+    yes = ACTION_URL.findall((await receivers.at("/ntfy", 1))[0].headers["Actions"])[0]
+    return agent, carol, question, yes
+
+
 async def post_action(api: Api, url: str) -> Any:
     path = url.split("127.0.0.1", 1)[1].split("/", 1)[1]
     return await api.call("POST", "/" + path)
@@ -369,13 +384,7 @@ async def test_a_room_link_refused_while_its_user_was_out_of_the_room_works_once
     service: tuple[Api, Settings], receivers: RecordingReceiver
 ) -> None:
     api, _ = service
-    bob = await api.principal("bob", "user")
-    await api.principal("carol", "user")
-    agent = await api.principal("deploybot", "agent")
-    await api.room("ops", ["bob", "carol"])
-    await put_channel(api, bob, "phone", {"kind": "ntfy", "url": f"{receivers.base}/ntfy"})
-    question = await api.ask(agent, {"room": "ops"})
-    yes = ACTION_URL.findall((await receivers.at("/ntfy", 1))[0].headers["Actions"])[0]
+    agent, _, question, yes = await asked_ops_with_bobs_link(api, receivers)
 
     await api.room("ops", ["carol"])
     refused = await post_action(api, yes)
@@ -394,13 +403,7 @@ async def test_a_stale_room_link_shows_how_the_question_ended_even_after_its_use
     """The signed link proves bob was asked. Once carol has answered, his late tap is not an
     error, also after he left the room: 200 applied false with the ended question (it was 404)."""
     api, _ = service
-    bob = await api.principal("bob", "user")
-    carol = await api.principal("carol", "user")
-    agent = await api.principal("deploybot", "agent")
-    await api.room("ops", ["bob", "carol"])
-    await put_channel(api, bob, "phone", {"kind": "ntfy", "url": f"{receivers.base}/ntfy"})
-    question = await api.ask(agent, {"room": "ops"})
-    yes = ACTION_URL.findall((await receivers.at("/ntfy", 1))[0].headers["Actions"])[0]
+    _, carol, question, yes = await asked_ops_with_bobs_link(api, receivers)
     answered = await api.answer(carol, question["id"], "no")
     await api.room("ops", ["carol"])
 
@@ -413,13 +416,7 @@ async def test_a_used_room_link_tapped_again_after_its_user_left_the_room_is_409
     service: tuple[Api, Settings], receivers: RecordingReceiver
 ) -> None:
     api, _ = service
-    bob = await api.principal("bob", "user")
-    await api.principal("carol", "user")
-    agent = await api.principal("deploybot", "agent")
-    await api.room("ops", ["bob", "carol"])
-    await put_channel(api, bob, "phone", {"kind": "ntfy", "url": f"{receivers.base}/ntfy"})
-    question = await api.ask(agent, {"room": "ops"})
-    yes = ACTION_URL.findall((await receivers.at("/ntfy", 1))[0].headers["Actions"])[0]
+    agent, _, question, yes = await asked_ops_with_bobs_link(api, receivers)
     first = await post_action(api, yes)
     assert first.status == 200
     assert first.body["applied"] is True
