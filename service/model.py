@@ -205,7 +205,7 @@ RENDERED = RenderedEnvelopes(4096)
 def _encode_question(value: Any) -> Any:
     if isinstance(value, Question):
         return msgspec.Raw(RENDERED.json(value))
-    raise NotImplementedError
+    raise TypeError(f"cannot encode {type(value).__name__}")
 
 
 def as_envelope(value: Any) -> Any:

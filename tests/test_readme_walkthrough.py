@@ -60,7 +60,7 @@ def test_the_walkthrough_has_its_blocks_and_their_outputs() -> None:
 async def test_the_readme_walkthrough_runs_as_written(redis_server: RedisServer, tmp_path: Path) -> None:
     missing = " ".join(tool for tool in ("bash", "curl", "jq") if shutil.which(tool) is None)
     if missing and os.environ.get("CI") != "true":
-        pytest.skip(f"the walk-through needs {missing} (Debian: apt-get install {missing})")
+        pytest.skip(reason=f"the walk-through needs {missing} (Debian: apt-get install {missing})")
     assert not missing, f"CI installs what the walk-through needs, but {missing} is missing"
     (tmp_path / "var").mkdir()
     (tmp_path / "var" / "admin-token").write_text(ADMIN_TOKEN + "\n")
