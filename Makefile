@@ -29,8 +29,9 @@ pytest: $(STAMP)
 	$(BIN)/pytest --ignore=tests/chaos --ignore=tests/cluster --ignore=tests/test_races.py $(PYTEST_ARGS)
 	@# The race storm and the cluster tier in fresh processes: after ~1,000 tests in one process the
 	@# storm ran its Redis pool dry (open item in the closing note of 2026-12-03).
-	$(BIN)/pytest tests/test_races.py $(PYTEST_ARGS)
-	$(BIN)/pytest tests/cluster $(PYTEST_ARGS)
+	@# Exit 5 is "no tests collected": a -k filter in PYTEST_ARGS may select nothing there.
+	$(BIN)/pytest tests/test_races.py $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(BIN)/pytest tests/cluster $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 ## chaos: issue 4's evidence: the model-based test and the fault-injection suite (under 15 min; also run by .ci/run)
 chaos: $(STAMP)
