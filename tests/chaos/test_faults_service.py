@@ -152,9 +152,9 @@ async def test_an_answer_whose_every_reply_is_lost_fails_and_its_http_retry_repo
     own_redis: RedisServer, proxy: Proxy
 ) -> None:
     """Invariant: when every attempt's reply is lost, the caller gets a 503 problem, not a 500;
-    the script ran once and its re-runs (same call id) changed nothing. An HTTP-level retry is a
-    new call (the service carries no call id across HTTP requests, answers take no
-    Idempotency-Key): it reports applied: false with the very envelope the first call would have
+    the script ran once and its re-runs (same call id) changed nothing. An HTTP-level retry sent
+    without an Idempotency-Key (as here) is a new call: it reports applied: false with the very
+    envelope the first call would have
     returned (same option, same responder, same timestamps). Still one transition, one outbox
     event, one publish; the retry counts one stale tap."""
     async with scene(own_redis.url, proxy.url, redis_timeout_seconds=0.3) as s:
