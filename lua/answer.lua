@@ -30,6 +30,7 @@
                              or the same request sent again with its Idempotency-Key); checked
                              first, so it holds after the responder has left the room too
     {'stale', fields}        already terminal
+    {'stale', fields, 'again'}  a re-run of a stale call (a client retry): counted when it first ran
     {'stale', fields, 'expired_now'}  the deadline has passed: this call expired it
     {'not_found'}            no such question
     {'not_eligible', fields} the responder is neither the target user nor in the target room

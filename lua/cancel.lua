@@ -28,6 +28,7 @@
     {'applied', fields, 'again'}  a re-run of the call that did (same call id: a client retry,
                              or the same request sent again with its Idempotency-Key)
     {'stale', fields}        already terminal
+    {'stale', fields, 'again'}  a re-run of a stale call (a client retry): counted when it first ran
     {'stale', fields, 'expired_now'}  the deadline has passed: this call expired it
     {'not_found'}            no such question
     {'not_asker', fields}    the canceller is neither the asker nor allowed to cancel any

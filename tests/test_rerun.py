@@ -293,6 +293,7 @@ async def test_rerun_of_a_stale_call_changes_nothing_not_even_the_stale_counter(
     second, before, after, published = await run_twice(redis, qs, recorder, question_id, first)
 
     assert second.code is Code.STALE
+    assert (first.again, second.again) == (False, True)  # /metrics: one stale, then one replayed
     assert published == 0
     assert after == before, "a retried stale call must not count a second stale tap"
 
