@@ -47,8 +47,9 @@ async def script_only(request: web.Request) -> web.Response:
 
 
 async def read_envelope(request: web.Request) -> web.Response:
-    """The domain rung: the store's read and the envelope, as `GET /v1/questions/{id}` answers."""
-    return respond(request, (await read(request)).envelope())
+    """The domain rung: the store's read and the envelope, as `GET /v1/questions/{id}` answers
+    (a Question encodes as its envelope, rendered once per version)."""
+    return respond(request, await read(request))
 
 
 async def read(request: web.Request) -> Question:
