@@ -179,8 +179,9 @@ class RenderedEnvelopes:
     transition, which raises `version` and writes the transition's call id (`tcall`), so one
     (id, version, tcall) is one envelope; the call id also tells apart a second transition after
     a failover lost the first. An agent polling its question, or the inbox listing open ones,
-    reads the same envelope over and over: fetch went from 85.9 to 69.3 µs of CPU per request
-    (bench.ab, docs/benchmarks.md). About 0.6 KiB per entry."""
+    reads the same envelope over and over: fetch went from 104.2 to 93.6 µs of CPU per request,
+    a list page of 20 from 644.6 to 565.2 µs (bench.ab, docs/benchmarks.md). About 0.6 KiB per
+    entry."""
 
     def __init__(self, size: int) -> None:
         self._recent: Cache[tuple[str, str, bytes]] = Cache(size)
