@@ -9,7 +9,7 @@
     KEYS[1] question         (HASH)
     KEYS[2] deadline marker  (STRING)
     KEYS[3] deadlines        (ZSET)   bucket deadline index
-    KEYS[4] purge            (ZSET)   bucket removal schedule, score = resolved_ms + retention
+    KEYS[4] purge            (ZSET)   bucket removal schedule, score = max(resolved_ms, now) + retention
     KEYS[5] channel          (PUBSUB) the question's channel (passed as a key for Cluster slots)
     KEYS[6] outbox           (STREAM)
     KEYS[7] stats            (HASH)
@@ -77,5 +77,5 @@ local refusal = refuse_late_tap(k, ARGV[1], q[1], tonumber(q[5]), q[6], ARGV[4],
 if refusal then
   return refusal
 end
-return {'applied', finish(k, ARGV[1], 'answered', now,
+return {'applied', finish(k, ARGV[1], 'answered', now, now,
   {'ans_option', ARGV[3], 'ans_by', ARGV[2], 'ans_ms', now}, ARGV[4], ARGV[6], ARGV[7], publish)}

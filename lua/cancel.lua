@@ -58,5 +58,5 @@ local refusal = refuse_late_tap(k, ARGV[1], q[1], tonumber(q[2]), q[3], ARGV[5],
 if refusal then
   return refusal
 end
-return {'applied', finish(k, ARGV[1], 'cancelled', now,
+return {'applied', finish(k, ARGV[1], 'cancelled', now, now,
   {'cancel_by', ARGV[2], 'cancel_reason', ARGV[4]}, ARGV[5], ARGV[6], ARGV[7], publish)}

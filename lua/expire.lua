@@ -53,6 +53,6 @@ end
 if q[1] ~= 'pending' then
   return settled(q[3], ARGV[2])
 elseif now >= tonumber(q[2]) then
-  return {'applied', expire_overdue(transition_keys(), ARGV[1], tonumber(q[2]), ARGV[2], ARGV[3], ARGV[4], publish)}
+  return {'applied', expire_overdue(transition_keys(), ARGV[1], tonumber(q[2]), now, ARGV[2], ARGV[3], ARGV[4], publish)}
 end
 return {'pending', redis.call('HGETALL', KEYS[1])}

@@ -63,7 +63,7 @@ for i = 1, n do
   elseif q[1] ~= 'pending' then
     codes[i] = q[3] == call_id and 'again' or 'stale'
   elseif now >= tonumber(q[2]) then
-    expire_overdue(k, id, tonumber(q[2]), call_id, ARGV[1], ARGV[2], publish)
+    expire_overdue(k, id, tonumber(q[2]), now, call_id, ARGV[1], ARGV[2], publish)
     codes[i] = 'applied'
   else
     codes[i] = 'pending'

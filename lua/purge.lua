@@ -7,7 +7,7 @@
 
   Input:
     KEYS[1] question         (HASH)
-    KEYS[2] purge            (ZSET)   bucket removal schedule, score = resolved_ms + retention
+    KEYS[2] purge            (ZSET)   bucket removal schedule, score = max(resolved_ms, now) + retention
     KEYS[3] asker index      (ZSET)   of the question's asker
     KEYS[4] target index     (ZSET)   of the question's target user or room
     ARGV[1] id               question id

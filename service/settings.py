@@ -60,7 +60,11 @@ class Settings:
     )
     retention_seconds: int = field(
         default=7 * 86400,
-        metadata=_doc("How long a terminal question stays readable before it is removed."),
+        metadata=_doc(
+            "How long a terminal question stays readable before it is removed, counted from when its "
+            "end was recorded (an expiry noticed late, after every sweeper was down, is still kept "
+            "this long)."
+        ),
     )
     questions_per_agent: int = field(
         default=1_000_000,

@@ -259,6 +259,34 @@ async def test_expired_question_is_dated_at_its_deadline_whichever_path_expired_
         await client.close()
 
 
+async def test_an_expiry_noticed_only_after_deadline_and_retention_is_still_readable_for_the_retention(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    """Every sweeper and listener down for longer than the retention: the expiry, dated at the
+    deadline, must not be purged in the pass that records it ("expired" is a result, and a 404
+    right after it is no result at all)."""
+    client, api = await app_with(
+        redis_server, retention_seconds=2, keyspace_notifications=False, run_sweeper=False
+    )
+    try:
+        agent = await api.principal("agent", "agent")
+        await api.principal("alice", "user")
+        question = await api.ask(agent, {"user": "alice"}, expires_in=1)
+        hash_key = client.server.app[STORE].keys.for_question(question["id"]).question
+        expires_ms = int(await redis.hget(hash_key, "expires_ms") or 0)
+        await sleep_until_redis_ms(redis, expires_ms + 2_500)  # nothing reads it meanwhile
+
+        swept = await client.server.app[SWEEPER].sweep_once()
+
+        assert (swept.expired, swept.purged) == (1, 0)
+        fetched = await api.get(agent, question["id"])
+        assert fetched.status == 200, fetched.body
+        assert fetched.body["state"] == "expired"
+        assert fetched.body["resolved_at"] == fetched.body["expires_at"]
+    finally:
+        await client.close()
+
+
 async def test_terminal_questions_and_their_index_entries_are_removed_after_retention(
     redis_server: RedisServer, redis: Redis
 ) -> None:

@@ -17,7 +17,7 @@ local function refuse_late_tap(k, id, state, expires_ms, tcall, call_id, now, re
   end
   if now >= expires_ms then
     note_stale(call_id)
-    return {'stale', expire_overdue(k, id, expires_ms, 'inline', retention_ms, outbox_maxlen, publish), 'expired_now'}
+    return {'stale', expire_overdue(k, id, expires_ms, now, 'inline', retention_ms, outbox_maxlen, publish), 'expired_now'}
   end
   return nil
 end
