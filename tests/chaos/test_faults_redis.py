@@ -323,8 +323,9 @@ async def assert_consistent(redis: Redis, settings: Settings) -> dict[str, Field
 
     - its hash has every creation field; a pending one has no terminal field, version 1, its
       deadline entry (score = expires_ms) and marker (unless Redis already expired it), no purge
-      entry; a terminal one has version 2, the fields of its state, a purge entry (score =
-      resolved_ms + retention), no deadline entry, no marker;
+      entry; a terminal one has version 2, the fields of its state, a purge entry (score = the
+      moment its end was recorded + retention: resolved_ms + retention for an answer or cancel,
+      between that and now + retention for an expiry), no deadline entry, no marker;
     - both its index entries exist (`<created_ms:13>:<id>` in the asker and target index);
     - the outbox holds exactly one `question.created` for it, and exactly one terminal event
       (carrying the stored fields) once it is terminal, none before;
@@ -389,10 +390,12 @@ async def assert_consistent(redis: Redis, settings: Settings) -> dict[str, Field
         )
         story.check(question_id not in deadlines[keys.deadlines(b)], f"{question_id}: {state} still due")
         story.check(question_id not in markers, f"{question_id}: {state} with a deadline marker")
+        purge_at = purges[keys.purge(b)].get(question_id)
+        earliest = float(int(fields.get("resolved_ms", "0")) + retention_ms)
+        latest = earliest if state != "expired" else float(now + retention_ms)
         story.check(
-            purges[keys.purge(b)].get(question_id)
-            == float(int(fields.get("resolved_ms", "0")) + retention_ms),
-            f"{question_id}: {state} without its purge entry",
+            purge_at is not None and earliest <= purge_at <= latest,
+            f"{question_id}: {state} without its purge entry (score {purge_at})",
         )
         answered = [f for f in ("ans_option", "ans_by", "ans_ms") if f in fields]
         cancelled = [f for f in ("cancel_by",) if f in fields]
