@@ -148,7 +148,8 @@ def finish(client: Client, question_id: str, args: argparse.Namespace) -> int:
         result = client.wait(question_id, timeout=args.max_wait)
     except WaitTimeout as exc:
         print(f"still pending after {args.max_wait:g} s: {question_id}", file=sys.stderr)
-        show(exc.envelope, args.json)
+        if not args.print_option:  # its stdout holds the chosen option or nothing
+            show(exc.envelope, args.json)
         return EXIT_PENDING
     if args.print_option:
         print_option(result)
@@ -178,8 +179,14 @@ def list_questions(client: Client, args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(item.raw, ensure_ascii=False))
         else:
-            print(f"{item.id}  {item.state:<9}  {item.to!s:<20}  {item.prompt[:60]}")
+            print(f"{item.id}  {item.state:<9}  {item.to!s:<20}  {one_line(item.prompt)[:60]}")
     return EXIT_OK
+
+
+def one_line(text: str) -> str:
+    """A prompt on one line: line breaks, tabs and control characters (terminal escapes among
+    them) become spaces."""
+    return " ".join("".join(c if c.isprintable() else " " for c in text).split())
 
 
 def answer(client: Client, args: argparse.Namespace) -> int:

@@ -126,6 +126,14 @@ async def test_ask_wait_exits_5_when_max_wait_runs_out(agent_cli: Cli) -> None:
     assert json.loads(done.out)["state"] == "pending"
 
 
+async def test_print_option_keeps_stdout_empty_when_max_wait_runs_out(agent_cli: Cli) -> None:
+    """`choice=$(... --print-option)` must not take the pending question's description."""
+    done = await agent_cli.run(*ASK, "--timeout", "10m", "--wait", "--print-option", "--max-wait", "0.5")
+    assert done.code == 5
+    assert done.out == ""
+    assert "still pending" in done.err
+
+
 @pytest.mark.parametrize(
     "args",
     [
@@ -136,6 +144,7 @@ async def test_ask_wait_exits_5_when_max_wait_runs_out(agent_cli: Cli) -> None:
         ("ask", "Deploy?", "-o", "a", "-o", "b", "--to", "user:a", "--timeout", "1m", "--metadata", "[1]"),
         ("ask", "Deploy?", "-o", "a", "-o", "b", "--to", "user:a", "--timeout", "1m", "--print-option"),
         ("ask", "Deploy?", "-o", "a", "-o", "b", "--to", "user:a", "--timeout", "1m", "--max-wait", "later"),
+        ("ask", "Deploy?", "-o", "a", "-o", "b", "--to", "user:a", "--timeout=1m", "--idempotency-key=\xe9"),
         ("frobnicate",),
     ],
 )
@@ -186,6 +195,14 @@ async def test_get_list_answer_cancel_and_wait_commands(live: Live, agent_cli: C
         first = await agent.ask("One?", ["yes", "no"], to=User("alice"), timeout=600)
         second = await agent.ask("Two?", ["yes", "no"], to=User("alice"), timeout=600)
     alice_cli = Cli(live.url, live.alice)
+
+    async with live.client(live.agent, retry=FAST) as agent:
+        third = await agent.ask("Three\nlines\x1b[2J?", ["yes", "no"], to=User("alice"), timeout=600)
+    listed = (await alice_cli.run("list", "--state", "pending")).out.splitlines()
+    assert len(listed) == 3  # one line per question, control characters blanked
+    assert listed[0].startswith(third.id)
+    assert listed[0].endswith("Three lines [2J?")
+    await alice_cli.run("answer", third.id, "no")
 
     pending = await alice_cli.run("list", "--role", "responder", "--state", "pending", "--json")
     assert [json.loads(line)["id"] for line in pending.out.splitlines()] == [second.id, first.id]

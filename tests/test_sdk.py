@@ -327,6 +327,33 @@ async def test_bad_arguments_fail_before_sending(agent: AsyncClient) -> None:
         Client("127.0.0.1:8080", "token")
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"options": [("a",), "b"]},
+        {"options": [{"label": "x"}, "b"]},
+        {"options": [1, 2]},
+        {"options": [("Yes!", "Yes"), "no"]},
+        {"options": ["only"]},
+        {"options": [f"o{n}" for n in range(11)]},
+        {"idempotency_key": "\u043a\u043b\u044e\u0447"},
+        {"idempotency_key": "a b"},
+        {"metadata": {1: "x"}},
+        {"metadata": {"runs": [{"attempt": 1}, {2: "y"}]}},
+    ],
+)
+async def test_malformed_options_keys_and_metadata_fail_before_sending(
+    agent: AsyncClient, bad: dict[str, Any]
+) -> None:
+    """Raised as InvalidArgument (a ValueError), as docs/sdk.md says, not as an IndexError,
+    KeyError or TypeError, nor sent for the service to refuse."""
+    call: dict[str, Any] = {"options": ["yes", "no"]} | bad
+    options = call.pop("options")
+    with pytest.raises(InvalidArgument):
+        await agent.ask("Hi?", options, to=User("alice"), timeout=60, **call)
+    assert [q async for q in agent.list()] == []
+
+
 async def test_ask_takes_an_absolute_deadline(agent: AsyncClient) -> None:
     deadline = (datetime.now(UTC) + timedelta(minutes=5)).replace(microsecond=0)
     q = await agent.ask("By then?", ["yes", "no"], to=User("alice"), expires_at=deadline)

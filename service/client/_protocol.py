@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import random
+import re
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -223,6 +224,24 @@ def new_idempotency_key() -> str:
     return "sdk-" + uuid.uuid4().hex
 
 
+# What the service takes as an Idempotency-Key (service/http/routes.py), quotes aside.
+_IDEMPOTENCY_KEY = re.compile(r"^[\x21\x23-\x7e]{1,255}\Z")
+
+
+def require_text_keys(value: Any) -> None:
+    """Metadata maps need text keys: msgpack refuses others and JSON would turn 1 into "1"."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, Mapping):
+            bad = [key for key in item if not isinstance(key, str)]
+            if bad:
+                raise InvalidArgument(f"metadata keys must be text, not {bad[0]!r}")
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+
+
 def ask_call(
     prompt: str,
     options: Sequence[OptionLike],
@@ -234,6 +253,10 @@ def ask_call(
 ) -> Call:
     if (timeout is None) == (expires_at is None):
         raise InvalidArgument("give exactly one of timeout= (a duration) or expires_at= (a datetime)")
+    if not _IDEMPOTENCY_KEY.match(idempotency_key):
+        raise InvalidArgument(
+            f"idempotency_key {idempotency_key!r}: 1-255 printable ASCII characters, no spaces or quotes"
+        )
     body: dict[str, Any] = {
         "prompt": prompt,
         "options": options_wire(options),
@@ -250,6 +273,7 @@ def ask_call(
         body["expires_at"] = expires_at.isoformat()
     if metadata is not None:
         body["metadata"] = dict(metadata)
+        require_text_keys(body["metadata"])
     return Call("POST", "/v1/questions", body=body, headers={"Idempotency-Key": idempotency_key})
 
 

@@ -17,6 +17,7 @@ TERMINAL_STATES: frozenset[str] = frozenset({"answered", "expired", "cancelled"}
 
 # The service's own limits (service/model.py), repeated so the SDK never imports the server.
 _OPTION_ID = re.compile(r"^[a-z0-9_-]{1,32}\Z")
+MIN_OPTIONS, MAX_OPTIONS = 2, 10
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)\s*([smhd]?)", re.IGNORECASE)
 _DURATION = re.compile(r"^\s*(?:\d+(?:\.\d+)?\s*[smhd]?\s*)+\Z", re.IGNORECASE)
 _UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -92,16 +93,31 @@ class Option:
         (`"deploy"`) is its own label; other text (`"Yes, deploy"`) gets a slug id (`yes-deploy`)."""
         if isinstance(value, Option):
             return value
-        if isinstance(value, tuple):
-            return cls(value[0], value[1])
-        if isinstance(value, Mapping):
-            return cls(str(value["id"]), str(value.get("label") or value["id"]))
+        if isinstance(value, tuple | Mapping):
+            return cls._given(value)
+        if not isinstance(value, str):
+            raise InvalidArgument(f"option {value!r} is not text, (id, label) or {{'id', 'label'}}")
         if _OPTION_ID.match(value):
             return cls(value, value)
         slug = re.sub(r"[^a-z0-9_-]+", "-", value.lower()).strip("-")[:32].strip("-")
         if not slug:
             raise InvalidArgument(f"option {value!r} has no letters or digits to make an id from")
         return cls(slug, value)
+
+    @classmethod
+    def _given(cls, value: tuple[str, str] | Mapping[str, str]) -> Option:
+        """`(id, label)` or `{"id", "label"?}`: the id must be one the service takes."""
+        given: Any = value  # checked here, whatever the caller's types said
+        if isinstance(given, tuple):
+            option_id, label = given if len(given) == 2 else (None, None)
+        else:
+            option_id = given.get("id")
+            label = given.get("label", option_id)
+        if not isinstance(option_id, str) or not _OPTION_ID.match(option_id) or not isinstance(label, str):
+            raise InvalidArgument(
+                f"option {value!r}: give (id, label) or {{'id', 'label'}} with an id of 1-32 of a-z 0-9 _ -"
+            )
+        return cls(option_id, label or option_id)
 
     def wire(self) -> dict[str, str]:
         return {"id": self.id, "label": self.label}
@@ -224,7 +240,8 @@ class Result:
 @dataclass(frozen=True, slots=True)
 class Outcome:
     """The reply to answer and cancel: `applied` is False when the question had already ended
-    (or when a retry of a request that did land found its own earlier effect)."""
+    by something else; a retry of a request whose first try applied (its reply lost) is
+    True again, since the SDK sends every answer and cancel with an Idempotency-Key."""
 
     applied: bool
     question: Envelope
@@ -255,4 +272,6 @@ OptionLike = Option | str | tuple[str, str] | Mapping[str, str]
 def options_wire(options: Sequence[OptionLike]) -> list[dict[str, str]]:
     if isinstance(options, str):
         raise InvalidArgument("options must be a list of options, not one string")
+    if not MIN_OPTIONS <= len(options) <= MAX_OPTIONS:
+        raise InvalidArgument(f"give {MIN_OPTIONS} to {MAX_OPTIONS} options, not {len(options)}")
     return [Option.of(o).wire() for o in options]
