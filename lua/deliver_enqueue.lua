@@ -16,6 +16,9 @@
     ARGV[5] question         question id
     ARGV[6] body             the exact bytes every attempt sends (JSON)
     ARGV[7] index cap        most entries kept in KEYS[3]
+    ARGV[8] index ttl        ms KEYS[3] lives after its newest entry (the records it names are
+                             removed after the retention too): a question's own webhook or a
+                             deleted endpoint leaves no index behind
 
   Output:
     {'created'}              a new delivery, due now
@@ -33,6 +36,7 @@ redis.call('HSET', KEYS[1], 'id', ARGV[1], 'webhook', ARGV[2], 'url', ARGV[3], '
   'created_ms', now, 'next_ms', now, 'history', '[]')
 redis.call('ZADD', KEYS[2], now, ARGV[1])
 redis.call('ZADD', KEYS[3], now, ARGV[1])
+redis.call('PEXPIRE', KEYS[3], ARGV[8])
 local over = redis.call('ZCARD', KEYS[3]) - tonumber(ARGV[7])
 if over > 0 then
   redis.call('ZREMRANGEBYRANK', KEYS[3], 0, over - 1)

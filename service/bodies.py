@@ -105,7 +105,8 @@ class PushSubscription(Strict):
 class NewChannel(Strict):
     kind: Literal["webpush", "ntfy", "webhook"]
     url: Annotated[str, Meta(min_length=1, max_length=2048)] | None = None
-    token: Annotated[str, Meta(min_length=1, max_length=500)] | None = None
+    # Sent as `Authorization: Bearer <token>`: printable ASCII, no spaces or line breaks.
+    token: Annotated[str, Meta(min_length=1, max_length=500, pattern=r"^[\x21-\x7e]+$")] | None = None
     subscription: PushSubscription | None = None
 
     def __post_init__(self) -> None:

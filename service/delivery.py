@@ -162,6 +162,7 @@ class DeliveryStore:
             "question": event["id"],
             "body": body,
             "index cap": INDEX_CAP,
+            "index ttl": self.retention_ms,
         }
         return keys, args
 
@@ -328,7 +329,9 @@ class OutboxFanout(OutboxConsumer):
         if refs:
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.sadd(pinged, *refs)
-                pipe.expire(pinged, self.pings.retention_seconds)
+                # Read again when the question ends, which can be up to its deadline away.
+                ends_by_ms = int(question["expires_ms"]) + self.pings.retention_seconds * 1000
+                pipe.pexpireat(pinged, ends_by_ms)
                 await pipe.execute()
         return refs
 

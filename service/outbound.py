@@ -54,8 +54,10 @@ class OutboundPolicy:
             address = address.ipv4_mapped
         if any(address in net for net in self.allow):
             return False
-        if address.is_multicast or not address.is_global:
+        if address.is_multicast or address.is_reserved or not address.is_global:
             return True
+        if isinstance(address, ipaddress.IPv6Address) and address.is_site_local:
+            return True  # fec0::/10, deprecated, yet still global to Python 3.11
         return any(address in net for net in _ALSO_BLOCKED)
 
     def check_url(self, url: str) -> str:
@@ -197,3 +199,5 @@ async def post(
         return done(0, f"no response within {timeout:g} s")
     except aiohttp.ClientError as exc:
         return done(0, f"{type(exc).__name__}: {exc}"[:300])
+    except ValueError as exc:  # aiohttp refusing a header value or URL it cannot send
+        return done(0, f"cannot send: {type(exc).__name__}: {exc}"[:300])

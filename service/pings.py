@@ -25,6 +25,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
+from cryptography.hazmat.primitives.asymmetric import ec
 from py_vapid import Vapid02
 from pywebpush import WebPusher
 from redis.asyncio import Redis
@@ -48,7 +49,21 @@ def b64url(raw: bytes) -> str:
 
 
 def unb64url(text: str) -> bytes:
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    """Strict: a character outside the base64url alphabet is a ValueError (binascii.Error), not
+    skipped as urlsafe_b64decode skips it."""
+    return base64.b64decode(text + "=" * (-len(text) % 4), altchars=b"-_", validate=True)
+
+
+def check_push_keys(p256dh: str, auth: str) -> None:
+    """What a browser's PushSubscription holds (RFC 8291): p256dh a P-256 public key, auth 16
+    bytes. Checked when the channel is saved: a key that cannot encrypt failed every send."""
+    try:
+        ec.EllipticCurvePublicKey.from_encoded_point(ec.SECP256R1(), unb64url(p256dh))
+        secret = unb64url(auth)
+    except ValueError as exc:
+        raise Invalid("subscription.keys.p256dh must be a base64url P-256 public key") from exc
+    if len(secret) != 16:
+        raise Invalid("subscription.keys.auth must be 16 bytes, base64url")
 
 
 # -- server keys --------------------------------------------------------------------------------
@@ -230,11 +245,7 @@ class ChannelRegistry:
         if body.subscription is not None:
             sub = body.subscription
             self.policy.check_url(sub.endpoint)
-            for part in (sub.keys.p256dh, sub.keys.auth):
-                try:
-                    unb64url(part)
-                except ValueError as exc:
-                    raise Invalid("subscription.keys must be base64url") from exc
+            check_push_keys(sub.keys.p256dh, sub.keys.auth)
             return Channel(user, name, body.kind, sub.endpoint, p256dh=sub.keys.p256dh, auth=sub.keys.auth)
         assert body.url is not None  # NewChannel checked the combination
         self.policy.check_url(body.url)
@@ -319,8 +330,10 @@ async def build_ping(
 
 
 def header_text(text: str) -> str:
-    """ASCII as it is; anything else RFC 2047-encoded, which ntfy accepts in every header."""
-    return text if text.isascii() else Header(text, "utf-8").encode()
+    """ASCII as it is; anything else RFC 2047-encoded, which ntfy accepts in every header. The
+    encoded words are joined by spaces: Header folds them with a line break after ~76
+    characters, and aiohttp refuses a header value holding one (the Ping was never sent)."""
+    return text if text.isascii() else Header(text, "utf-8").encode(linesep=" ")
 
 
 def ntfy_request(channel: Channel, ping: Ping) -> tuple[bytes, dict[str, str]]:
@@ -401,10 +414,14 @@ async def send_ping(
     vapid_subject: str,
     timeout: float,
 ) -> Attempt:
-    if channel.kind == "ntfy":
-        body, headers = ntfy_request(channel, ping)
-    elif channel.kind == "webpush":
-        body, headers = await webpush_request(channel, ping, await server_keys.vapid(), vapid_subject)
-    else:
-        body, headers = relay_request(channel, ping, delivery)
+    vapid = await server_keys.vapid() if channel.kind == "webpush" else None
+    try:
+        if vapid is not None:
+            body, headers = await webpush_request(channel, ping, vapid, vapid_subject)
+        elif channel.kind == "ntfy":
+            body, headers = ntfy_request(channel, ping)
+        else:
+            body, headers = relay_request(channel, ping, delivery)
+    except Exception as exc:  # the channel's stored details cannot make a request: a failed attempt
+        return Attempt(0, f"cannot build the request: {type(exc).__name__}: {exc}"[:300], 0)
     return await post(session, policy, channel.url, body, headers, timeout)

@@ -13,6 +13,7 @@ import os
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from email.header import decode_header, make_header
 from typing import Any
 
 import aiohttp
@@ -22,11 +23,14 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from standardwebhooks.webhooks import Webhook as Verifier
 
 from service.http.app import create_app
 from service.http.appkeys import QUESTIONS
+from service.keys import Keys
+from service.pings import Channel
 from service.settings import Settings
 from tests.api import Api
 from tests.conftest import ADMIN_TOKEN, close_client, test_settings
@@ -104,6 +108,13 @@ class PushSubscriber:
         return result
 
 
+def webpush_with_keys(receivers: RecordingReceiver, **keys: str) -> dict[str, Any]:
+    """A Web Push channel body with a real subscription's keys, some of them replaced."""
+    subscription = PushSubscriber(f"{receivers.base}/push").subscription()
+    subscription["keys"] |= keys
+    return {"kind": "webpush", "subscription": subscription}
+
+
 async def put_channel(
     api: Api, token: str, name: str, body: dict[str, Any], expect: int = 200
 ) -> dict[str, Any]:
@@ -174,6 +185,12 @@ async def test_channels_are_registered_listed_without_secrets_and_deleted(
         },
         {"kind": "sms", "url": f"{receivers.base}/p"},
         {"kind": "ntfy", "url": "http://10.0.0.8/topic"},
+        # Saved, these failed at every send (never settled: docs/delivery.md):
+        webpush_with_keys(receivers, p256dh="!!!!"),
+        webpush_with_keys(receivers, p256dh=b64url(b"\x04" + bytes(64))),  # not a point on P-256
+        webpush_with_keys(receivers, auth=b64url(bytes(8))),
+        {"kind": "ntfy", "url": f"{receivers.base}/t", "token": "a\nb"},
+        {"kind": "ntfy", "url": f"{receivers.base}/t", "token": "a b"},
     ]:
         await put_channel(api, alice, "bad", bad, expect=422)
     await put_channel(api, alice, "Bad Name", {"kind": "ntfy", "url": f"{receivers.base}/t"}, expect=422)
@@ -427,6 +444,64 @@ async def test_a_used_room_link_tapped_again_after_its_user_left_the_room_is_409
     assert again.body["type"].endswith("/action-used")
     assert again.body["question"] == first.body["question"]
     assert (await api.get(agent, question["id"])).body == first.body["question"]
+
+
+async def test_a_ping_with_long_non_ascii_labels_reaches_ntfy_with_every_action(
+    service: tuple[Api, Settings], receivers: RecordingReceiver
+) -> None:
+    """The Actions header, RFC 2047-encoded, was folded with a line break past ~76 characters,
+    which aiohttp refuses to send: such Pings never left, and were never settled either."""
+    api, _ = service
+    agent = await agent_and_alice_with_a_phone(api, receivers)
+    labels = ["D\u00e9ployer la version 2.3 en production", "Annuler le d\u00e9ploiement"]
+    body = {
+        "prompt": "On d\u00e9ploie ?",
+        "options": [{"id": "deploy", "label": labels[0]}, {"id": "abort", "label": labels[1]}],
+        "to": {"user": "alice"},
+        "expires_in": 60,
+    }
+    assert (await api.call("POST", "/v1/questions", agent, body)).status == 201
+    [hit] = await receivers.at("/ntfy", 1)
+    actions = str(make_header(decode_header(hit.headers["Actions"])))
+    assert all(label in actions for label in labels)
+    assert len(ACTION_URL.findall(actions)) == 2
+
+
+async def test_a_ping_whose_request_cannot_be_built_is_retried_then_dead_lettered(
+    service: tuple[Api, Settings], receivers: RecordingReceiver, redis: Redis
+) -> None:
+    """A channel stored before its keys were checked (or changed by hand): each attempt is
+    recorded as failed and the schedule runs out, instead of the sender failing on it forever."""
+    api, settings = service
+    await api.principal("alice", "user")
+    agent = await api.principal("deploybot", "agent")
+    broken = Channel("alice", "old", "webpush", f"{receivers.base}/push", p256dh="AAAA", auth="AAAA")
+    await redis.hset(f"{Keys(settings.key_prefix).principal('alice')}:channels", "old", broken.to_json())
+    await api.ask(agent, {"user": "alice"})
+
+    async def dead_letters() -> list[dict[str, Any]]:
+        reply = await api.call("GET", "/v1/admin/deadletters", api.admin)
+        return list(reply.body["deliveries"])
+
+    await eventually(dead_letters, within=15, what="the broken channel's Ping dead-lettered")
+    [dead] = await dead_letters()
+    assert dead["attempts"] == 3
+    assert all(h["error"].startswith("cannot build the request") for h in dead["history"])
+    assert receivers.hits == []
+
+
+async def test_a_question_that_outlives_the_retention_is_still_withdrawn_when_it_ends(
+    redis_server: RedisServer, receivers: RecordingReceiver
+) -> None:
+    """The channels a question was Pinged on are read again when it ends; they were kept for
+    the retention from its creation, so an answer after that withdrew nothing."""
+    async with running_service(redis_server, retention_seconds=1) as (api, _):
+        _, question, _ = await asked_alice_with_a_link(api, receivers)
+        await asyncio.sleep(1.5)
+        alice = (await api.call("POST", "/v1/admin/principals/alice/tokens", api.admin)).body["token"]
+        assert (await api.answer(alice, question["id"], "yes")).body["applied"] is True
+        withdrawn = (await receivers.at("/ntfy", 2))[1]
+        assert withdrawn.headers["Title"] == "Answered: Yes"
 
 
 @pytest.mark.parametrize("ending", ["cancel", "expire"])

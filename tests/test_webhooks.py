@@ -19,11 +19,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
+from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from standardwebhooks.webhooks import Webhook as Verifier
 
 from service.errors import Unavailable
-from service.http.appkeys import DELIVERY_WORKERS, REDIS
+from service.http.appkeys import DELIVERY_WORKERS, REDIS, SETTINGS
 from service.keys import BUCKETS, new_question_id
 from service.outbound import AddressRefused, GuardedResolver, OutboundPolicy, new_session, parse_nets, post
 from service.settings import Settings
@@ -373,6 +374,9 @@ async def test_the_sender_refuses_a_loopback_address_spelled_in_full_width_digit
         ("fd00:ec2::254", True),
         ("::ffff:127.0.0.1", True),
         ("224.0.0.1", True),
+        ("::7f00:1", True),  # IPv4-compatible 127.0.0.1: reserved, yet global to Python 3.11
+        ("::ffff:0:7f00:1", True),  # IPv4-translated 127.0.0.1
+        ("fec0::1", True),  # site-local
         ("8.8.8.8", False),
         ("2001:4860:4860::8888", False),
     ],
@@ -517,6 +521,32 @@ async def test_a_sender_killed_between_send_and_record_leaves_the_delivery_to_an
     assert len(receiver.hits) == 2
     assert {r.headers["webhook-id"] for r in receiver.hits} == {delivery["id"]}
     assert delivery["attempts"] == 1  # the killed worker never recorded its attempt
+
+
+async def test_every_delivery_index_expires_after_the_retention_like_the_records_it_names(
+    api_with: Callable[..., Awaitable[Api]], receiver: RecordingReceiver, redis: Redis
+) -> None:
+    """One index per question with a webhook_url, and one per endpoint even once deleted: they
+    had no expiry and piled up for good."""
+    api = await api_with(retention_seconds=600)
+    agent = await api.principal("deploybot", "agent")
+    user = await api.principal("alice", "user")
+    await register(api, agent, receiver.url)
+    body = {
+        "prompt": "Proceed?",
+        "options": [{"id": "yes", "label": "Yes"}, {"id": "no", "label": "No"}],
+        "to": {"user": "alice"},
+        "expires_in": 60,
+        "webhook_url": receiver.url,
+    }
+    created = await api.call("POST", "/v1/questions", agent, body)
+    assert (await api.answer(user, created.body["id"], "no")).body["applied"] is True
+    await receiver.at(None, 2)
+    prefix = api.client.app[SETTINGS].key_prefix  # type: ignore[index]
+    indexes = [key async for key in redis.scan_iter(match=f"{prefix}:*:webhook:*:deliveries")]
+    assert len(indexes) == 2  # the endpoint's, and the question's own URL's
+    for index in indexes:
+        assert 0 < await redis.pttl(index) <= 600_000, index
 
 
 async def test_a_questions_own_webhook_url_gets_its_terminal_event_signed_with_its_secret(
