@@ -119,6 +119,17 @@ async def test_resume_with_last_event_id_loses_and_repeats_nothing(api: Api) -> 
     assert seen["id"] not in ids
 
 
+async def test_a_last_event_id_beyond_the_newest_event_resumes_from_the_newest(api: Api) -> None:
+    """An id the stream never reached (a Redis that lost data since) silenced the stream until
+    Redis' clock passed it."""
+    agent, alice, _ = await people(api)
+    async with stream(api, alice, last_event_id="99999999999999-0") as events:
+        await asyncio.sleep(0.1)
+        asked = await api.ask(agent, {"user": "alice"})
+        seen = await next_event(events)
+    assert (seen["event"], seen["data"]["id"]) == ("question.created", asked["id"])
+
+
 async def test_a_bad_last_event_id_is_refused(api: Api) -> None:
     _, alice, _ = await people(api)
     reply = await api.call("GET", "/v1/events", alice, headers={"Last-Event-ID": "yesterday"})

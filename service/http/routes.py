@@ -21,6 +21,7 @@ from service.errors import (
     Unauthenticated,
     Unavailable,
 )
+from service.events import stream_id
 from service.http.appkeys import (
     ACTIONS,
     DELIVERIES,
@@ -245,7 +246,10 @@ async def events(request: web.Request) -> web.StreamResponse:
     last = request.headers.get("Last-Event-ID") or request.query.get("last_event_id")
     if last is not None and not valid_stream_id(last):
         raise Invalid("Last-Event-ID must be an id this stream sent (like 1700000000000-0)")
-    position = last if last is not None else await hub.latest_id(principal.id)
+    latest = await hub.latest_id(principal.id)
+    # An id beyond the stream's newest (it came from a Redis that lost data since, or was made
+    # up) would hold back every event until the clock passed it; resume from the newest instead.
+    position = latest if last is None or stream_id(last) > stream_id(latest) else last
     limit = request.app[SETTINGS].sse_streams_per_principal
     if hub.streams_of(principal.id) >= limit:  # checked and taken with no await between
         raise TooManyStreams(f"{principal.id!r} has {limit} open event streams in this process; close one")
