@@ -146,7 +146,7 @@ function setLive(live) {
 /** Load what waits for me and the recent history; catch up on anything missed while away. */
 async function refresh(s) {
   const [pending, recent] = await Promise.all([
-    s.api.list({ role: "responder", state: "pending", limit: "200" }),
+    listPages(s.api, { role: "responder", state: "pending", limit: "200" }, PENDING_PAGES),
     s.api.list({ role: "responder", limit: "50" }),
   ]);
   if (session !== s) return;
@@ -155,6 +155,24 @@ async function refresh(s) {
   for (const entry of s.entries.values()) {
     if (isOpen(entry) && !stillPending.has(entry.q.id)) refetch(s, entry);
   }
+}
+
+/** At most this many pages of what waits for me (200 each) are loaded. */
+const PENDING_PAGES = 10;
+
+/** A listing's items, following next_cursor for up to `pages` pages: a page can come back short,
+ * even empty, while more match further on (the server scans a bounded number of candidates per
+ * page), so one page could hide an older pending question behind many ended ones. */
+async function listPages(api, query, pages) {
+  const items = [];
+  let cursor = null;
+  for (let n = 0; n < pages; n++) {
+    const page = await api.list(cursor ? { ...query, cursor } : query);
+    items.push(...page.items);
+    cursor = page.next_cursor;
+    if (!cursor) break;
+  }
+  return { items };
 }
 
 /** Fetch one question again; a failure leaves the cell as it is until the next event or load. */

@@ -62,6 +62,29 @@ async def test_a_new_question_appears_live(browser: Browser, service: Service) -
         await expect(inbox.page.locator("#waiting-empty")).to_be_hidden()
 
 
+async def test_a_pending_question_behind_many_ended_ones_is_still_listed(
+    browser: Browser, service: Service
+) -> None:
+    """A list page scans a bounded number of candidates, so it can come back empty with a
+    cursor; the inbox read one page, and never showed a pending question asked before ~1,600
+    newer ones that had ended."""
+    _, agent_token = await service.principal("deploybot", "agent")
+    alice, alice_token = await service.principal("alice", "user")
+    older = await service.ask(agent_token, {"user": alice}, "Still waiting?", ["Yes", "No"])
+    for _ in range(17):
+        ended = await asyncio.gather(
+            *(service.ask(agent_token, {"user": alice}, "Ended", ["Yes", "No"]) for _ in range(100))
+        )
+        await asyncio.gather(*(service.api.cancel(agent_token, q["id"]) for q in ended))
+    query = "/v1/questions?role=responder&state=pending&limit=200"
+    first = (await service.api.call("GET", query, alice_token)).body
+    assert (first["items"], bool(first["next_cursor"])) == ([], True)  # what the inbox is up against
+
+    async with open_inbox(browser, service.base_url, alice_token) as inbox:
+        await expect(inbox.cell(older["id"]).locator(".prompt")).to_have_text("Still waiting?")
+        await expect(inbox.page.locator("#waiting-count")).to_have_text("(1)")
+
+
 async def test_two_members_tapping_at_once_one_wins_and_the_other_sees_who(
     browser: Browser, service: Service
 ) -> None:
