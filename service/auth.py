@@ -87,6 +87,10 @@ class Directory:
         """The principal and its first token, in one transaction: a failure leaves neither, so
         the create can be retried (a principal without a token answered its retry with a 409)."""
         check_identifier(principal.id, "principal id")
+        if principal.id == BOOTSTRAP_ADMIN.id:
+            # QS_ADMIN_TOKEN's principal: a second one of that name would share its event stream
+            # and its name in `cancellation.by`.
+            raise Conflict(f"principal {principal.id!r} is the bootstrap admin's (QS_ADMIN_TOKEN)")
         key = self.keys.principal(principal.id)
         token, token_id = new_token()
 

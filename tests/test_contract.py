@@ -891,6 +891,18 @@ async def test_creating_a_principal_returns_201_and_a_working_token(any_api: Api
 
 
 @pytest.mark.parametrize("kind", ["agent", "user", "admin"])
+async def test_a_principal_named_as_the_bootstrap_admin_is_409_and_writes_nothing(
+    any_api: Api, kind: str
+) -> None:
+    """It would share QS_ADMIN_TOKEN's event stream and its name in `cancellation.by`."""
+    async with Unchanged(any_api):
+        reply = await send(
+            any_api.client, "POST", "/v1/admin/principals", any_api.admin, body={"id": "admin", "kind": kind}
+        )
+    assert_problem(reply, 409)
+
+
+@pytest.mark.parametrize("kind", ["agent", "user", "admin"])
 async def test_creating_a_principal_twice_is_409(any_api: Api, kind: str) -> None:
     await any_api.principal("twice", kind)
     async with Unchanged(any_api):
