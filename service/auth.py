@@ -22,7 +22,7 @@ from service.cache import Cache
 from service.coalesce import Coalescer
 from service.errors import Conflict, Invalid, NotFound
 from service.keys import Keys
-from service.model import IDENTIFIER, Kind, Principal
+from service.model import IDENTIFIER, MAX_TOKEN_SECONDS, Kind, Principal
 
 TOKEN_PREFIX = "qs_"
 _TOKEN = re.compile(r"^qs_([0-9a-f]{12})_[A-Za-z0-9_-]{43}\Z")
@@ -68,6 +68,9 @@ class Directory:
         self.admin_token = admin_token
         # Token -> principal for a few seconds: a revocation reaches other processes that late.
         self.cache: Cache[Principal] = Cache(50_000, ttl=cache_seconds)
+        # Raised by each revoke here: a lookup that read a token before a revoke's DEL must not
+        # put it back into the cache after the revoke dropped it.
+        self._revocations = 0
         # Principals and rooms are never deleted, so a positive answer stays true.
         self._principals: Cache[Principal] = Cache(50_000)
         self._rooms: Cache[bool] = Cache(10_000)
@@ -136,6 +139,8 @@ class Directory:
     # -- tokens ---------------------------------------------------------------------------------
 
     async def issue_token(self, principal_id: str, expires_in: int | None = None) -> IssuedToken:
+        if expires_in is not None and not 1 <= expires_in <= MAX_TOKEN_SECONDS:
+            raise Invalid(f"expires_in must be 1 to {MAX_TOKEN_SECONDS} seconds, not {expires_in}")
         principal = await self.require_principal(principal_id)
         token, token_id = new_token()
         async with self.redis.pipeline(transaction=True) as pipe:
@@ -166,6 +171,7 @@ class Directory:
         # One DEL of both keys (one slot, {dir}): a failed revoke changes nothing, so its retry
         # finds the token again instead of a 404 while the token still works.
         await self.redis.delete(self.keys.token(digest), id_key)
+        self._revocations += 1
         self.cache.drop(digest)
         return True
 
@@ -180,9 +186,10 @@ class Directory:
         cached = self.cache.get(digest)
         if cached is not None:
             return cached
+        revocations = self._revocations
         principal_id = await self._read("HGET", self.keys.token(digest), "principal")
         principal = None if principal_id is None else await self.principal(str(principal_id))
-        if principal is not None:
+        if principal is not None and revocations == self._revocations:
             self.cache.put(digest, principal)
         return principal
 

@@ -16,6 +16,7 @@ from service.model import (
     MAX_OPTIONS,
     MAX_PROMPT,
     MAX_REASON,
+    MAX_TOKEN_SECONDS,
     MIN_OPTIONS,
     OPTION_ID,
 )
@@ -74,7 +75,7 @@ class NewPrincipal(Strict):
 
 
 class NewToken(Strict):
-    expires_in: Annotated[int, Meta(ge=1, le=10 * 365 * 86400)] | None = None
+    expires_in: Annotated[int, Meta(ge=1, le=MAX_TOKEN_SECONDS)] | None = None
 
 
 class RoomMembers(Strict):

@@ -45,6 +45,8 @@ ACCESS = logging.getLogger("service.access")
 _SECRETS = [
     (re.compile(r"\b(qs_[0-9a-f]{12})_[A-Za-z0-9_-]{20,}"), r"\1_[redacted]"),
     (re.compile(r"(?i)\b(bearer\s+)\S+"), r"\1[redacted]"),
+    # A Ping's action link is its own credential (the path of POST /v1/actions/{token}).
+    (re.compile(r"(/v1/actions/)[^\s/?#\"']+"), r"\1[redacted]"),
 ]
 # Fields an access line (or any record, through `extra=`) may carry, in output order.
 EXTRA_FIELDS = (

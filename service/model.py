@@ -24,6 +24,7 @@ MAX_REASON = 500
 MIN_OPTIONS, MAX_OPTIONS = 2, 10
 MAX_METADATA_BYTES = 8 * 1024
 MAX_EXPIRES_IN = 2_592_000  # 30 days, in seconds
+MAX_TOKEN_SECONDS = 10 * 365 * 86400  # the longest lifetime a token may be issued with
 
 
 class State(enum.StrEnum):

@@ -15,6 +15,7 @@ import base64
 import hashlib
 import hmac
 import json
+import logging
 import secrets
 import time
 from collections.abc import Sequence
@@ -37,8 +38,11 @@ from service.errors import Forbidden, Invalid, InvalidAction, NotFound
 from service.keys import Keys
 from service.model import Principal, State, timestamp, to_json
 from service.outbound import Attempt, OutboundPolicy, post
+from service.redis_client import OUTAGES
 from service.scripts import Code, Scripts
 from service.webhooks import new_secret
+
+log = logging.getLogger(__name__)
 
 MAX_CHANNELS = 10
 KINDS = ("webpush", "ntfy", "webhook")
@@ -165,18 +169,23 @@ class Actions:
         self.ttl_seconds = ttl_seconds
 
     async def claim(self, token: str) -> tuple[ActionClaim, Principal, bool]:
-        """The verified claim, its user, and whether this tap marked the link used (False: an
-        earlier tap of the same link did)."""
+        """The verified claim, its user, and whether an earlier tap of the link has answered."""
         claim = verify_action(await self.server_keys.action_key(), token)
         user = await self.directory.principal(claim.user)
         if user is None:
             raise InvalidAction("the link's user no longer exists")
-        first = await self.redis.set(self._used_key(claim, token), "1", nx=True, ex=self.ttl_seconds)
-        return claim, user, bool(first)
+        return claim, user, bool(await self.redis.exists(self._used_key(claim, token)))
 
-    async def release(self, claim: ActionClaim, token: str) -> None:
-        """Unmarks a link whose answer did not run to its end, so the same tap may be retried."""
-        await self.redis.delete(self._used_key(claim, token))
+    async def mark_used(self, claim: ActionClaim, token: str) -> None:
+        """Once a tap has answered (applied or not): later taps of the link are 409s. Written
+        after the answer, never before it, so a tap that fails or is cut off leaves nothing to
+        undo (a mark written first was left behind when Redis ran the SET but its reply was
+        lost). Best effort: the tap did answer, and a link left unmarked re-runs the same keyed
+        answer when tapped again, which changes nothing."""
+        try:
+            await self.redis.set(self._used_key(claim, token), "1", ex=self.ttl_seconds)
+        except OUTAGES as exc:
+            log.warning("could not mark action link of %s as used: %r", claim.question, exc)
 
     def _used_key(self, claim: ActionClaim, token: str) -> str:
         return self.keys.action_used(claim.question, action_digest(token))

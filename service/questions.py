@@ -141,6 +141,9 @@ class QuestionService:
         with self._parking(principal):
             woken = await self.waiters.wait(question_id, timeout)
         if woken is not None:
+            # Asked again: the reader may have left the question's room while it waited.
+            if not await self.visible(principal, woken):
+                raise NotFound(f"no question {question_id!r}")
             return woken
         # Timed out (or the question vanished): the hash is the truth.
         return await self.get(principal, question_id)

@@ -33,6 +33,10 @@ def test_admin_commands_bootstrap_principals_tokens_and_rooms(settings: Settings
     assert again.returncode == 1
     assert "already exists" in again.stderr
 
+    for lifetime in ("0", "-5", "999999999999999"):  # the HTTP route's bounds: 1 s to 10 years
+        refused = cli(settings, "admin", "issue-token", "alice", "--expires-in", lifetime)
+        assert (refused.returncode, refused.stdout) == (1, ""), refused.stderr
+        assert "expires_in must be 1 to" in refused.stderr
     issued = json.loads(cli(settings, "admin", "issue-token", "alice", "--expires-in", "60").stdout)
     assert issued["expires_in"] == 60
     revoked = cli(settings, "admin", "revoke-token", "qs_" + issued["token_id"])

@@ -17,7 +17,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from service import auth as auth_module
 from service.http.appkeys import DIRECTORY, WAITERS
 from tests.api import Api
-from tests.conftest import ADMIN_TOKEN, start_client
+from tests.conftest import ADMIN_TOKEN, close_client, start_client
 from tests.conftest import test_settings as settings_for
 from tests.helpers_contract import (
     Cast,
@@ -990,6 +990,41 @@ async def test_a_revoke_that_failed_on_a_redis_error_can_be_retried_and_then_hol
     retried = await send(any_api.client, "DELETE", f"/v1/admin/tokens/{token_id}", any_api.admin)
     assert retried.status == 204, retried.data
     assert_problem(await send(any_api.client, "GET", "/v1/questions", token), 401)
+
+
+async def test_a_lookup_that_read_a_token_before_its_revoke_does_not_cache_it_again(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request that read the token just before the revoke's DEL put it back into the cache
+    the revoke had just dropped: the revoking process accepted it for QS_AUTH_CACHE_SECONDS."""
+    client = await start_client(settings_for(redis_server.url, auth_cache_seconds=60))
+    try:
+        await token_read_across_a_revoke(Api(client, ADMIN_TOKEN), monkeypatch)
+    finally:
+        await close_client(client)
+
+
+async def token_read_across_a_revoke(any_api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    await any_api.principal("ivan", "user")
+    issued = await send(any_api.client, "POST", "/v1/admin/principals/ivan/tokens", any_api.admin)
+    token, token_id = issued.body["token"], issued.body["token_id"]
+    directory = any_api.client.app[DIRECTORY]
+    real_principal = directory.principal
+    token_read, revoked = asyncio.Event(), asyncio.Event()
+
+    async def held_until_revoked(principal_id: str) -> Any:
+        token_read.set()
+        await revoked.wait()
+        return await real_principal(principal_id)
+
+    monkeypatch.setattr(directory, "principal", held_until_revoked)
+    in_flight = asyncio.create_task(send(any_api.client, "GET", "/v1/me", token))
+    await asyncio.wait_for(token_read.wait(), 5)
+    assert (await directory.revoke_token(token_id)) is True
+    revoked.set()
+    assert (await in_flight).status == 200  # it read the token before the revoke
+    monkeypatch.setattr(directory, "principal", real_principal)
+    assert_problem(await send(any_api.client, "GET", "/v1/me", token), 401)
 
 
 async def test_a_principal_create_that_failed_partway_leaves_nothing_and_its_retry_works(

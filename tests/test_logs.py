@@ -150,6 +150,11 @@ def test_the_text_format_is_one_line_with_key_values_and_redacted() -> None:
     record.__dict__.update(route="/x", status=200, outcome="ok")
     secret = "qs_0123456789ab_" + "A" * 43
     leaky = logging.LogRecord("service", logging.WARNING, __file__, 1, "token %s", (secret,), None)
+    link = "WyJhYmMiLCJhbGljZSIsInllcyIsMTc5OTk5OTk5OTk5OV0.yKbWqTzE4cw"
+    path = f"/v1/actions/{link}"
+    tapped = logging.LogRecord("service", logging.WARNING, __file__, 1, "down on POST %s", (path,), None)
+    assert link not in TextFormatter().format(tapped)
+    assert "/v1/actions/[redacted]" in JsonFormatter().format(tapped)
     text = TextFormatter().format(record)
     assert re.fullmatch(r"\S+Z INFO service.access GET /x route=/x status=200 outcome=ok", text)
     assert secret not in TextFormatter().format(leaky)

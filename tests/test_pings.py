@@ -25,10 +25,11 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from standardwebhooks.webhooks import Webhook as Verifier
 
 from service.http.app import create_app
-from service.http.appkeys import QUESTIONS
+from service.http.appkeys import ACTIONS, QUESTIONS
 from service.keys import Keys
 from service.pings import Channel
 from service.settings import Settings
@@ -395,6 +396,33 @@ async def test_a_tap_whose_client_hung_up_mid_answer_leaves_the_link_usable(
     await eventually(tapped_again, within=5, what="the link to be released after the hang-up")
     assert retried[-1].body["applied"] is True
     assert retried[-1].body["question"]["answer"]["option"] == "yes"
+
+
+async def test_a_tap_answers_even_when_the_reply_to_marking_its_link_used_is_lost(
+    service: tuple[Api, Settings], receivers: RecordingReceiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The link was marked used before the answer: when Redis ran that SET but its reply was
+    lost (a stall), the tap was a 503, the question stayed pending and every later tap was a 409.
+    The mark is now written after the answer, and losing it changes nothing the tap did."""
+    api, _ = service
+    agent, question, yes = await asked_alice_with_a_link(api, receivers)
+    redis = api.client.app[ACTIONS].redis  # type: ignore[index]
+    real_set = redis.set
+
+    async def set_then_lose_the_reply(*args: Any, **kwargs: Any) -> Any:
+        await real_set(*args, **kwargs)
+        raise RedisTimeoutError("the reply was lost")
+
+    monkeypatch.setattr(redis, "set", set_then_lose_the_reply)
+    tapped = await post_action(api, yes)
+    monkeypatch.setattr(redis, "set", real_set)
+
+    assert tapped.status == 200, tapped.body
+    assert tapped.body["applied"] is True
+    assert (await api.get(agent, question["id"])).body["state"] == "answered"
+    again = await post_action(api, yes)
+    assert again.status == 409
+    assert again.body["question"] == tapped.body["question"]
 
 
 async def test_a_room_link_refused_while_its_user_was_out_of_the_room_works_once_they_are_back(

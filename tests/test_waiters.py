@@ -107,6 +107,26 @@ async def test_a_message_on_the_channel_that_is_not_the_final_state_wakes_nobody
     assert (await waiting).body == answered.body["question"]
 
 
+async def test_a_member_removed_from_the_room_while_waiting_gets_404_not_the_answer(
+    api: Api, client: TestClient[object, object]
+) -> None:
+    """As a fetch by them would, and as the batch wait already did: the wake-up is checked
+    against the waiter's access again."""
+    agent = await api.principal("agent", "agent")
+    alice = await api.principal("alice", "user")
+    bob = await api.principal("bob", "user")
+    await api.room("ops", ["alice", "bob"])
+    question = await api.ask(agent, {"room": "ops"})
+    waiting = asyncio.create_task(api.wait(bob, question["id"], 10))
+    await until_waiting(client, 1)
+    await api.room("ops", ["alice"])
+
+    assert (await api.answer(alice, question["id"], "yes")).body["applied"] is True
+    woken = await waiting
+    assert woken.status == 404, woken.body
+    assert "answer" not in woken.body
+
+
 async def test_waiters_of_every_terminal_state_get_that_state(
     api: Api, client: TestClient[object, object], redis: Redis
 ) -> None:

@@ -362,24 +362,20 @@ async def webpush_key(request: web.Request) -> web.Response:
 async def act(request: web.Request) -> web.Response:
     """A Ping's button: the signed link is the authentication; answers as its user, once.
 
-    A repeated tap (a phone delivering one tap twice) is a 409 that carries the question as it
-    is now, so it still shows the resolved state; a tap whose answer did not complete (Redis
-    unreachable, or the client hung up) leaves the link unused, so the same button can be tapped
-    again."""
+    A tap after one that answered is a 409 that carries the question as it is now, so it still
+    shows the resolved state; a tap whose answer did not complete (Redis unreachable, or the
+    client hung up) marks nothing, so the same button can be tapped again. A second tap that
+    arrives while the first still runs (a phone delivering one tap twice) runs the same keyed
+    answer and is told the same outcome."""
     token = request.match_info["token"]
     actions, questions = request.app[ACTIONS], request.app[QUESTIONS]
-    claim, user, first = await actions.claim(token)
-    if not first:
+    claim, user, used = await actions.claim(token)
+    if used:
         question = await questions.as_the_link_left_it(claim.question)
         raise ActionUsed("each action link answers once; this one already did", question=question.envelope())
-    try:
-        # Keyed by the link: a retry of a tap whose reply was lost is told it applied.
-        outcome = await questions.answer_by_link(user, claim.question, claim.option, "action:" + token)
-    except BaseException:
-        # Also on a cancel (the client hung up): the tap did not answer, so the link stays
-        # usable. Shielded, so a second cancel (shutdown) cannot stop the release half-way.
-        await asyncio.shield(actions.release(claim, token))
-        raise
+    # Keyed by the link: a retry of a tap whose reply was lost is told it applied.
+    outcome = await questions.answer_by_link(user, claim.question, claim.option, "action:" + token)
+    await actions.mark_used(claim, token)
     return respond(request, outcome_reply(outcome))
 
 
