@@ -12,6 +12,8 @@ from collections.abc import Coroutine, Sequence
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
+from redis.exceptions import RedisError
+
 from service import cli_client
 from service.settings import Settings, SettingsError, env_name
 
@@ -318,6 +320,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = asyncio.run(job)
     except ServiceError as exc:
         print(f"error: {exc.detail}", file=sys.stderr)
+        return 1
+    except (RedisError, OSError) as exc:  # Redis unreachable or refusing: a line, not a traceback
+        print(f"error: Redis: {exc}", file=sys.stderr)  # not the URL: it may hold a password
         return 1
     except KeyboardInterrupt:
         return 130

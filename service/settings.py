@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import logging
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
+from urllib.parse import urlsplit
 
 MEMORY_URL = "memory://"
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+MAX_KEEP_SECONDS = 10 * 365 * 86400
 
 
 class SettingsError(ValueError):
@@ -219,6 +223,9 @@ class Settings:
             raise SettingsError("QS_SWEEP_INTERVAL_SECONDS must be > 0 and <= 1")
         if self.sweep_batch < 1 or self.retention_seconds < 1 or self.idempotency_ttl_seconds < 1:
             raise SettingsError("sweep batch, retention and idempotency TTL must be positive")
+        if max(self.retention_seconds, self.idempotency_ttl_seconds) > MAX_KEEP_SECONDS:
+            # Redis takes TTLs in ms up to 2**63; far below that, a create must still add them up.
+            raise SettingsError("QS_RETENTION_SECONDS and QS_IDEMPOTENCY_TTL_SECONDS: at most 10 years")
         if not 1 <= self.port <= 65535:
             raise SettingsError("QS_PORT must be a TCP port")
         if self.max_body_bytes < 1024:
@@ -244,8 +251,25 @@ class Settings:
             raise SettingsError("QS_WAIT_REPLICAS must be >= 0 and QS_WAIT_TIMEOUT_MS >= 1")
         if self.log_format not in ("json", "text"):
             raise SettingsError("QS_LOG_FORMAT must be json or text")
+        if self.log_level.upper() not in logging.getLevelNamesMapping():
+            raise SettingsError("QS_LOG_LEVEL must be DEBUG, INFO, WARNING, ERROR or CRITICAL")
+        self.validate_redis_url()
         if not 0 <= self.metrics_port <= 65535 or self.metrics_port == self.port:
             raise SettingsError("QS_METRICS_PORT must be 0 or a TCP port other than QS_PORT")
+
+    def validate_redis_url(self) -> None:
+        """Its scheme and port, so a typo is an error at start, not a traceback from redis-py."""
+        if self.in_memory or self.cluster:
+            return  # a cluster URL lists host:port pairs; redis-py's cluster client reads them
+        try:
+            parts = urlsplit(self.redis_url)
+            parts.port  # noqa: B018  # read for its ValueError on a port that is not a number
+        except ValueError as exc:
+            raise SettingsError(f"QS_REDIS_URL: {exc}") from exc
+        if parts.scheme not in ("redis", "rediss", "unix"):
+            raise SettingsError(
+                "QS_REDIS_URL must be redis://, rediss://, unix://, redis+cluster:// or memory://"
+            )
 
     def validate_delivery(self) -> None:
         try:
@@ -255,7 +279,7 @@ class Settings:
             schedule = [float(n) for n in self.webhook_retry_schedule.split(",") if n.strip()]
         except ValueError as exc:
             raise SettingsError(f"QS_OUTBOUND_ALLOW_NETS or QS_WEBHOOK_RETRY_SCHEDULE: {exc}") from exc
-        if any(delay < 0 for delay in schedule) or len(schedule) > 50:
+        if any(not 0 <= delay < math.inf for delay in schedule) or len(schedule) > 50:
             raise SettingsError("QS_WEBHOOK_RETRY_SCHEDULE: at most 50 non-negative delays")
         if not self.vapid_subject.startswith(("mailto:", "https:")):
             raise SettingsError("QS_VAPID_SUBJECT must start with mailto: or https:")
@@ -303,7 +327,10 @@ def _parse(name: str, kind: Any, raw: str) -> Any:
         if kind in (int, "int"):
             return int(raw)
         if kind in (float, "float"):
-            return float(raw)
+            value = float(raw)
+            if not math.isfinite(value):  # nan passes every `<=` check and breaks timers later
+                raise ValueError(raw)
+            return value
     except ValueError as exc:
         raise SettingsError(f"{env_name(name)}={raw!r} is not a valid {kind}") from exc
     return raw

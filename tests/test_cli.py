@@ -8,15 +8,24 @@ import os
 import subprocess
 import sys
 
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from service.__main__ import YOUNG_GENERATION_THRESHOLD, serving_app
 from service.settings import Settings
 from tests.conftest import close_client
+from tests.redis_server import free_port
 
 
-def cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "QS_REDIS_URL": settings.redis_url, "QS_KEY_PREFIX": settings.key_prefix}
+def cli(
+    settings: Settings, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "QS_REDIS_URL": settings.redis_url,
+        "QS_KEY_PREFIX": settings.key_prefix,
+        **(env or {}),
+    }
     return subprocess.run(
         [sys.executable, "-m", "service", *args], env=env, capture_output=True, text=True, timeout=60
     )
@@ -58,6 +67,41 @@ def test_sweep_once_reports_what_it_did(settings: Settings) -> None:
     swept = cli(settings, "sweep", "--once")
     assert swept.returncode == 0, swept.stderr
     assert json.loads(swept.stdout) == {"expired": 0, "purged": 0}
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("QS_LOG_LEVEL", "bogus"),
+        ("QS_REDIS_URL", "foo://x"),
+        ("QS_REDIS_URL", "redis://127.0.0.1:notaport/0"),
+        ("QS_REDIS_TIMEOUT_SECONDS", "nan"),
+        ("QS_AUTH_CACHE_SECONDS", "nan"),  # a cache whose entries never expired
+        ("QS_RETENTION_SECONDS", "99999999999999999"),  # every create was a 500
+        ("QS_IDEMPOTENCY_TTL_SECONDS", "99999999999999999"),
+        ("QS_WEBHOOK_RETRY_SCHEDULE", "nan,inf"),
+    ],
+)
+def test_a_bad_setting_value_is_one_line_naming_it_and_exit_2(
+    settings: Settings, variable: str, value: str
+) -> None:
+    """Each of these was a traceback at start (or a silent acceptance that failed later)."""
+    done = cli(settings, "sweep", "--once", env={variable: value})
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.startswith("error: ")
+    assert variable in done.stderr
+
+
+@pytest.mark.parametrize("command", [("stats",), ("sweep", "--once"), ("admin", "show-room", "ops")])
+def test_a_command_says_in_one_line_that_redis_is_unreachable(
+    settings: Settings, command: tuple[str, ...]
+) -> None:
+    env = {"QS_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0", "QS_REDIS_TIMEOUT_SECONDS": "1"}
+    done = cli(settings, *command, env=env)
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    assert done.stderr.startswith("error: Redis: ")
 
 
 def test_a_bad_setting_exits_2_and_names_the_variable(settings: Settings) -> None:
