@@ -171,16 +171,37 @@ def test_dockerfile_copies_what_exists_and_installs_as_the_readme_says() -> None
     assert "HEALTHCHECK" in text
 
 
-def queried_metrics() -> set[str]:
+def queries() -> list[str]:
+    """Every PromQL expression of the alerts and the dashboard."""
     exprs = [
         rule["expr"]
         for group in yaml_docs(DEPLOY / "prometheus" / "alerts.yaml")[0]["groups"]
         for rule in group["rules"]
     ]
     dashboard = json.loads((DEPLOY / "grafana" / "dashboard.json").read_text())
-    exprs += [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    return exprs + [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+
+
+# Read from Redis at each scrape: every process reports the same value (docs/operations.md).
+REDIS_WIDE = (
+    "qs_oldest_overdue_pending_seconds",
+    "qs_outbox_backlog",
+    "qs_pending_questions",
+    "qs_deliveries_due",
+    "qs_dead_letters",
+)
+
+
+def test_redis_wide_gauges_are_never_summed_over_processes() -> None:
+    """A sum over N processes showed N times the real backlog (the dashboard did, for two)."""
+    summed = [e for e in queries() for g in REDIS_WIDE if re.search(rf"\bsum\b[^()]*\(\s*{g}\b", e)]
+    assert not summed, summed
+    assert any(g in e for e in queries() for g in REDIS_WIDE)
+
+
+def queried_metrics() -> set[str]:
     names = set()
-    for expr in exprs:
+    for expr in queries():
         names |= {m for m in re.findall(r"\b(qs_\w+|redis_\w+)\b", expr)}
     return names
 
