@@ -126,9 +126,10 @@ class KeyspaceListener:
             await self._listen_cluster(as_cluster(self.redis), backoff)
             return
         db = self.redis.connection_pool.connection_kwargs.get("db", 0)
-        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        pubsub = self.redis.pubsub()
         try:
             await pubsub.subscribe(EXPIRED_EVENT.format(db=db))
+            confirmations = 0
             while not self.stopping:
                 try:
                     message = await pubsub.get_message(timeout=1.0)
@@ -136,7 +137,13 @@ class KeyspaceListener:
                     await backoff.failed(exc)
                     continue
                 backoff.succeeded()
-                if message is not None:
+                if message is not None and message["type"] == "subscribe":
+                    confirmations += 1
+                    if confirmations > 1:
+                        # redis-py reconnected and subscribed again: Redis may have restarted,
+                        # with notify-keyspace-events back at its configured value (often off).
+                        self.enabled = await self.enable_notifications()
+                elif message is not None and message["type"] == "message":
                     await self._on_expired(message["data"])
         finally:
             await pubsub.aclose()

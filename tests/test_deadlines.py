@@ -111,6 +111,28 @@ async def test_untouched_question_expires_within_2s_by_keyspace_notification_alo
         server.cleanup()
 
 
+async def test_keyspace_notifications_are_enabled_again_after_redis_restarts() -> None:
+    """A restarted Redis starts with its configured notify-keyspace-events (off here); the
+    listener reconnected but never set them again, so only the sweeper noticed deadlines."""
+    server = RedisServer().start()
+    redis = Redis.from_url(server.url, decode_responses=True)
+    client, _ = await app_with(server, run_sweeper=False, keyspace_notifications=True)
+
+    async def events_on() -> bool:
+        async with Redis.from_url(server.url, decode_responses=True) as fresh:
+            return "E" in (await fresh.config_get("notify-keyspace-events"))["notify-keyspace-events"]
+
+    try:
+        await eventually(events_on, within=5, what="notifications enabled at start")
+        server.stop()
+        server.start()
+        await eventually(events_on, within=15, what="notifications enabled again after the restart")
+    finally:
+        await client.close()
+        await redis.aclose()
+        server.cleanup()
+
+
 async def test_untouched_question_expires_within_2s_with_notifications_and_sweeper_on(
     redis_server: RedisServer, redis: Redis
 ) -> None:
