@@ -146,9 +146,15 @@ class EventHub:
         self._stopping = True
         if self._task is not None:
             await stop_tasks([self._task])
+        self.end_streams()
+
+    def end_streams(self) -> None:
+        """Every open stream ends after what it has queued; its client resumes elsewhere with
+        Last-Event-ID."""
         for subscribers in self._subscribers.values():
             for subscriber in subscribers:
-                subscriber.queue.put_nowait(None)
+                if not subscriber.queue.full():  # full: its ending None is queued already
+                    subscriber.queue.put_nowait(None)
 
     def streams_of(self, principal: str) -> int:
         return len(self._subscribers.get(self.keys.events(principal), ()))

@@ -144,6 +144,7 @@ class Waiters:
         self.reconnects = 0  # of the plain pub/sub connection (a connect callback counts them)
         self.metrics: Metrics | None = None  # set by the app: wake latency
         self._stopping = False
+        self._released = False  # release_all: the process is shutting down
         # redis-py's PubSub.connect() is not safe to race: concurrent first subscribes would each
         # take a pool connection, and messages on all but the last one would never be read.
         self._connect_lock = asyncio.Lock()
@@ -164,6 +165,14 @@ class Waiters:
     async def start(self) -> None:
         self._reader = asyncio.create_task(self._read_loop(), name="waiters-reader")
 
+    def release_all(self) -> None:
+        """Shutting down: every parked request returns now, as if its timeout had passed (the
+        caller reads the question as it stands). Waits started after this return at once."""
+        self._released = True
+        for entry in self._channels.values():
+            for future in entry.futures:
+                _set_if_pending(future, _TIMED_OUT)
+
     async def stop(self) -> None:
         self._stopping = True
         await stop_tasks([t for t in (self._reader, *self._background) if t is not None])
@@ -181,6 +190,8 @@ class Waiters:
             if question is None or question.state.terminal:
                 return question
             del question  # parked: hold nothing but the future
+            if self._released:
+                return None
             fields = await _parked_alone(joined[0][2], deadline, loop)
             if fields is None:
                 return None
@@ -210,9 +221,11 @@ class Waiters:
             if not open_ids or (not every and len(open_ids) < len(questions)):
                 return
             when = asyncio.ALL_COMPLETED if every else asyncio.FIRST_COMPLETED
+            if self._released:
+                return
             done = await _parked([futures[q_id] for q_id in open_ids], deadline, when)
-            if not done or (every and len(done) < len(open_ids)):
-                return  # the timeout passed first
+            if self._released or not done or (every and len(done) < len(open_ids)):
+                return  # the timeout passed first, or the process is shutting down
             if self.metrics is not None:
                 # The condition was met by the latest of these to resolve.
                 resolved = [f.result().get("resolved_ms") or "0" for f in done]

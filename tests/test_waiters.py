@@ -127,6 +127,32 @@ async def test_a_member_removed_from_the_room_while_waiting_gets_404_not_the_ans
     assert "answer" not in woken.body
 
 
+async def test_shutdown_returns_parked_waits_at_once_and_ends_event_streams(
+    api: Api, client: TestClient[object, object]
+) -> None:
+    """SIGTERM runs on_shutdown before aiohttp waits for the handlers: parked long polls waited
+    out their timeout (up to 60 s, past Kubernetes' 30 s grace) and streams stayed open."""
+    agent = await api.principal("agent", "agent")
+    await api.principal("alice", "user")
+    question = await api.ask(agent, {"user": "alice"})
+    single = asyncio.create_task(api.wait(agent, question["id"], 30))
+    batch = asyncio.create_task(
+        api.call("POST", "/v1/questions/wait", agent, {"ids": [question["id"]], "timeout": 30})
+    )
+    headers = {"Authorization": f"Bearer {agent}"}
+    async with client.get("/v1/events", headers=headers) as stream:
+        await until_waiting(client, 2)
+
+        await client.server.app.shutdown()  # what SIGTERM runs first
+
+        async with asyncio.timeout(10):  # a bound against hanging, not a speed check
+            released, released_batch = await single, await batch
+            rest = await stream.content.read()
+    assert (released.status, released.body["state"]) == (200, "pending")
+    assert (released_batch.status, released_batch.body["condition_met"]) == (200, False)
+    assert rest.endswith(b"\n\n") or rest == b""
+
+
 async def test_waiters_of_every_terminal_state_get_that_state(
     api: Api, client: TestClient[object, object], redis: Redis
 ) -> None:

@@ -67,7 +67,17 @@ def create_app(settings: Settings) -> web.Application:
     app.cleanup_ctx.append(events_ctx)
     app.cleanup_ctx.append(background_ctx)
     app.cleanup_ctx.append(observability_ctx)
+    app.on_shutdown.append(release_long_requests)
     return app
+
+
+async def release_long_requests(app: web.Application) -> None:
+    """On SIGTERM, before aiohttp waits for the handlers: parked long polls return the question
+    as it stands (200, still pending, so the client polls again, on another process) and event
+    streams end (the client resumes with Last-Event-ID). Without it, shutdown waited for each up
+    to its timeout (60 s), past Kubernetes' grace period, and the pod was killed mid-cleanup."""
+    app[WAITERS].release_all()
+    app[EVENT_HUB].end_streams()
 
 
 async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
