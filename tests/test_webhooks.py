@@ -523,6 +523,17 @@ async def test_a_sender_killed_between_send_and_record_leaves_the_delivery_to_an
     assert delivery["attempts"] == 1  # the killed worker never recorded its attempt
 
 
+def ask_with_own_webhook(url: str) -> dict[str, Any]:
+    """A question to alice that carries its own webhook_url."""
+    return {
+        "prompt": "Proceed?",
+        "options": [{"id": "yes", "label": "Yes"}, {"id": "no", "label": "No"}],
+        "to": {"user": "alice"},
+        "expires_in": 60,
+        "webhook_url": url,
+    }
+
+
 async def test_every_delivery_index_expires_after_the_retention_like_the_records_it_names(
     api_with: Callable[..., Awaitable[Api]], receiver: RecordingReceiver, redis: Redis
 ) -> None:
@@ -532,13 +543,7 @@ async def test_every_delivery_index_expires_after_the_retention_like_the_records
     agent = await api.principal("deploybot", "agent")
     user = await api.principal("alice", "user")
     await register(api, agent, receiver.url)
-    body = {
-        "prompt": "Proceed?",
-        "options": [{"id": "yes", "label": "Yes"}, {"id": "no", "label": "No"}],
-        "to": {"user": "alice"},
-        "expires_in": 60,
-        "webhook_url": receiver.url,
-    }
+    body = ask_with_own_webhook(receiver.url)
     created = await api.call("POST", "/v1/questions", agent, body)
     assert (await api.answer(user, created.body["id"], "no")).body["applied"] is True
     await receiver.at(None, 2)
@@ -555,13 +560,7 @@ async def test_a_questions_own_webhook_url_gets_its_terminal_event_signed_with_i
     api = await api_with()
     agent = await api.principal("deploybot", "agent")
     user = await api.principal("alice", "user")
-    body = {
-        "prompt": "Proceed?",
-        "options": [{"id": "yes", "label": "Yes"}, {"id": "no", "label": "No"}],
-        "to": {"user": "alice"},
-        "expires_in": 60,
-        "webhook_url": receiver.url,
-    }
+    body = ask_with_own_webhook(receiver.url)
     created = await api.call("POST", "/v1/questions", agent, body, headers={"Idempotency-Key": "k1"})
     assert created.status == 201
     secret = created.headers["Webhook-Secret"]
