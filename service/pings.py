@@ -168,7 +168,7 @@ class Actions:
         self.directory = directory
         self.ttl_seconds = ttl_seconds
 
-    async def claim(self, token: str) -> tuple[ActionClaim, Principal, bool]:
+    async def verify(self, token: str) -> tuple[ActionClaim, Principal, bool]:
         """The verified claim, its user, and whether an earlier tap of the link has answered."""
         claim = verify_action(await self.server_keys.action_key(), token)
         user = await self.directory.principal(claim.user)

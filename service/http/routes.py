@@ -369,7 +369,7 @@ async def act(request: web.Request) -> web.Response:
     answer and is told the same outcome."""
     token = request.match_info["token"]
     actions, questions = request.app[ACTIONS], request.app[QUESTIONS]
-    claim, user, used = await actions.claim(token)
+    claim, user, used = await actions.verify(token)
     if used:
         question = await questions.as_the_link_left_it(claim.question)
         raise ActionUsed("each action link answers once; this one already did", question=question.envelope())
