@@ -292,11 +292,8 @@ class QuestionService:
         rooms = await self._rooms_for(user, target) if target is not None else None
         reply = await self.store.answer(question_id, user.id, option, rooms, call_id)
         if reply.code is Code.ROOMS_NEEDED:
-            room = Target("room", reply.value or "")
-            self.targets.put(question_id, room)
-            reply = await self.store.answer(
-                question_id, user.id, option, await self._rooms_for(user, room), call_id
-            )
+            rooms = await self._rooms_for(user, Target("room", reply.value or ""))
+            reply = await self.store.answer(question_id, user.id, option, rooms, call_id)
         if reply.fields is not None:
             self._learn(Question(reply.fields))
         return reply
