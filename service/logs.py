@@ -213,6 +213,8 @@ def request_middleware(
         finally:
             elapsed = time.perf_counter() - started
             route = route_of(request)
+            if status == 405 and route is UNMATCHED:
+                route = await route_refusing_method(request)
             metrics.http_done(route, request.method, status, elapsed)
             if access_log:
                 log_access(request, route, status, elapsed, principal_key)
@@ -225,6 +227,16 @@ def route_of(request: web.Request) -> str:
     """The route's path template (`/v1/questions/{id}`), never the raw path."""
     resource = request.match_info.route.resource
     return UNMATCHED if resource is None else resource.canonical
+
+
+async def route_refusing_method(request: web.Request) -> str:
+    """A 405's route: aiohttp's match info keeps no resource when only the method was wrong,
+    but the path did match one, and "unmatched" would hide which route is called wrongly."""
+    for resource in request.app.router.resources():
+        match, allowed = await resource.resolve(request)
+        if match is None and allowed:
+            return resource.canonical
+    return route_of(request)
 
 
 def log_access(

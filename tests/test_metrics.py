@@ -168,12 +168,15 @@ async def test_http_requests_are_labelled_by_route_template_never_by_raw_path(ap
     question = await api.ask(agent, {"user": "alice"})
     assert (await api.get(agent, question["id"])).status == 200
     assert (await api.call("GET", "/no/such/path")).status == 404
+    assert (await api.call("PATCH", f"/v1/questions/{question['id']}", agent)).status == 405
     reply = await api.client.get("/metrics")
     text = await reply.text()
     samples = parse(text)
     route = {"route": "/v1/questions/{id}", "method": "GET", "status": "200"}
     assert value(samples, "qs_http_requests_total", **route) == 1
     assert value(samples, "qs_http_requests_total", route="unmatched", method="GET", status="404") == 1
+    wrong_method = {"route": "/v1/questions/{id}", "method": "PATCH", "status": "405"}
+    assert value(samples, "qs_http_requests_total", **wrong_method) == 1
     assert (
         value(samples, "qs_http_request_duration_seconds_count", route="/v1/questions/{id}", method="GET")
         == 1
