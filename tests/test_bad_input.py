@@ -102,6 +102,38 @@ async def test_json_nested_beyond_reason_is_refused_not_a_500(cast: Cast) -> Non
     )
 
 
+OPTIONS_AND_DEADLINE = (
+    b'"options": [{"id": "yes", "label": "Yes"}, {"id": "no", "label": "No"}], "expires_in": 60'
+)
+REPEATED_KEYS = {  # each body is valid but for the repeated key
+    "top-level": b'{"prompt": "Deploy?", "prompt": "Roll back?", "to": {"user": "alice"}, ',
+    "nested": b'{"prompt": "Deploy?", "to": {"user": "alice", "user": "alice"}, ',
+    "in-metadata": b'{"prompt": "Deploy?", "metadata": {"a": 1, "a": 2}, "to": {"user": "alice"}, ',
+}
+
+
+@pytest.mark.parametrize("head", REPEATED_KEYS.values(), ids=REPEATED_KEYS.keys())
+async def test_a_json_key_named_twice_in_one_object_is_400_and_nothing_is_written(
+    cast: Cast, head: bytes
+) -> None:
+    raw = head + OPTIONS_AND_DEADLINE + b"}"
+    problem = await refused(
+        cast.api, 400, "POST", "/v1/questions", cast.agent, raw=raw, content_type="application/json"
+    )
+    assert "more than once" in problem["detail"]
+
+
+async def test_a_msgpack_key_named_twice_in_one_map_is_400_and_nothing_is_written(cast: Cast) -> None:
+    body = question_body(ALICE)
+    packer = msgpack.Packer()
+    raw = packer.pack_map_header(len(body) + 1) + packer.pack("prompt") + packer.pack("Roll back?")
+    raw += b"".join(packer.pack(key) + packer.pack(value) for key, value in body.items())
+    problem = await refused(
+        cast.api, 400, "POST", "/v1/questions", cast.agent, raw=raw, content_type="application/msgpack"
+    )
+    assert "more than once" in problem["detail"]
+
+
 MALFORMED_MSGPACK = {
     "reserved-byte": b"\xc1",
     "truncated-map": b"\x83\xa6prompt",

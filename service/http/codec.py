@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections import Counter
 from typing import Any
 
 import msgpack
@@ -29,6 +30,16 @@ def _reject_ext(code: int, data: bytes) -> Any:
     raise ValueError(f"msgpack extension type {code} is not accepted")
 
 
+def _unique_keys(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    """An object that names a key twice: which value was meant is not a thing to guess (RFC 8259
+    leaves it to the reader; a proxy or a signature check upstream may have read the other)."""
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        repeated = sorted(str(key) for key, count in Counter(key for key, _ in pairs).items() if count > 1)
+        raise Malformed(f"the body names the keys {repeated} more than once in one object")
+    return value
+
+
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
@@ -45,13 +56,15 @@ def decode(raw: bytes, content_type: str) -> Any:
         raise Malformed("the request needs a body")
     if content_type in _MSGPACK_TYPES:
         try:
-            return msgpack.unpackb(raw, raw=False, strict_map_key=True, ext_hook=_reject_ext)
+            return msgpack.unpackb(
+                raw, raw=False, strict_map_key=True, ext_hook=_reject_ext, object_pairs_hook=_unique_keys
+            )
         except (ValueError, msgpack.UnpackException, TypeError, RecursionError) as exc:
             raise Malformed(f"the body is not valid msgpack: {exc}") from exc
     if content_type == JSON or content_type.endswith("+json"):
         try:
             # Decoded strictly first: json.loads(bytes) lets UTF-8-encoded surrogates through.
-            value = json.loads(raw.decode(), parse_constant=_reject_constant)
+            value = json.loads(raw.decode(), parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise Malformed(f"the body is not valid JSON: {exc}") from exc
         if _SURROGATE_ESCAPE.search(raw):
