@@ -26,7 +26,7 @@ from service.model import IDENTIFIER, MAX_TOKEN_SECONDS, Kind, Principal
 
 TOKEN_PREFIX = "qs_"
 _TOKEN = re.compile(r"^qs_([0-9a-f]{12})_[A-Za-z0-9_-]{43}\Z")
-_TOKEN_REF = re.compile(r"^(?:qs_)?([0-9a-f]{12})(?:_.*)?\Z")
+_TOKEN_REF = re.compile(r"^(?:qs_)?([0-9a-f]{12})\Z")
 BOOTSTRAP_ADMIN = Principal("admin", Kind.ADMIN, "bootstrap admin")
 
 
@@ -160,13 +160,14 @@ class Directory:
 
     async def revoke_token(self, reference: str) -> bool:
         """Revoke by token id, by its public prefix ``qs_<id>``, or by the whole token."""
-        match = _TOKEN_REF.match(reference)
+        match = _TOKEN_REF.match(reference) or _TOKEN.match(reference)
         if not match:
             return False
         id_key = self.keys.token_id(match.group(1))
         found = await self.redis.get(id_key)
-        if found is None:
-            return False
+        whole = match.re is _TOKEN
+        if found is None or (whole and not hmac.compare_digest(str(found), hash_token(reference))):
+            return False  # a whole token is that token only, not any string with its prefix
         digest = str(found)
         # One DEL of both keys (one slot, {dir}): a failed revoke changes nothing, so its retry
         # finds the token again instead of a 404 while the token still works.

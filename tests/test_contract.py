@@ -970,6 +970,18 @@ async def test_a_revoked_token_is_401(any_api: Api, reference: str) -> None:
     assert_problem(again, 404)
 
 
+@pytest.mark.parametrize("secret", ["x", "A" * 43], ids=["not-a-token", "another-secret"])
+async def test_a_whole_token_with_another_secret_revokes_nothing(any_api: Api, secret: str) -> None:
+    """Only the token itself, its id or its public prefix names it: a string that merely starts
+    with the prefix is another token, or none."""
+    await any_api.principal("ivan", "user")
+    issued = await send(any_api.client, "POST", "/v1/admin/principals/ivan/tokens", any_api.admin)
+    token, token_id = issued.body["token"], issued.body["token_id"]
+    wrong = f"qs_{token_id}_{secret}"
+    assert_problem(await send(any_api.client, "DELETE", f"/v1/admin/tokens/{wrong}", any_api.admin), 404)
+    assert (await send(any_api.client, "GET", "/v1/questions", token)).status == 200
+
+
 async def test_a_revoke_that_failed_on_a_redis_error_can_be_retried_and_then_holds(
     any_api: Api, monkeypatch: pytest.MonkeyPatch
 ) -> None:
