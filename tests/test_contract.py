@@ -982,6 +982,25 @@ async def test_a_whole_token_with_another_secret_revokes_nothing(any_api: Api, s
     assert (await send(any_api.client, "GET", "/v1/questions", token)).status == 200
 
 
+@pytest.mark.parametrize("route", ["wait", "batch-wait"])
+async def test_a_long_poll_whose_token_is_revoked_while_parked_returns_401_not_the_answer(
+    api: Api, route: str
+) -> None:
+    agent = await api.principal("ivy-bot", "agent")
+    alice = await api.principal("ivy", "user")
+    question = (await api.ask(agent, {"user": "ivy"}))["id"]
+    path, body = f"/v1/questions/{question}/wait?timeout=10", None
+    if route == "batch-wait":
+        path, body = "/v1/questions/wait", {"ids": [question], "timeout": 10, "mode": "any"}
+    method = "GET" if body is None else "POST"
+    parked = asyncio.create_task(send(api.client, method, path, agent, body=body))
+    await parked_waiters(api, 1)
+    revoked = await send(api.client, "DELETE", f"/v1/admin/tokens/{agent}", api.admin)
+    assert revoked.status == 204, revoked.data
+    assert (await api.answer(alice, question, "yes")).status == 200
+    assert_problem(await parked, 401)
+
+
 async def test_a_revoke_that_failed_on_a_redis_error_can_be_retried_and_then_holds(
     any_api: Api, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -68,6 +68,13 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     return await handler(request)
 
 
+async def still_authenticated(request: web.Request) -> None:
+    """After a long poll: a token revoked (or expired) while it was parked gets no answer. The
+    revoking process knows at once; others within QS_AUTH_CACHE_SECONDS, as for any request."""
+    if await request.app[DIRECTORY].authenticate(bearer_token(request)) is None:
+        raise Unauthenticated("the token was revoked or expired while the request waited")
+
+
 def bearer_token(request: web.Request) -> str:
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
@@ -163,6 +170,7 @@ async def cancel(request: web.Request) -> web.Response:
 async def wait(request: web.Request) -> web.Response:
     timeout, preferred = wait_seconds(request)
     question = await request.app[QUESTIONS].wait(request[PRINCIPAL], request.match_info["id"], timeout)
+    await still_authenticated(request)
     headers = {"Preference-Applied": f"wait={timeout:g}"} if preferred else {}
     return respond(request, question, headers=headers)
 
@@ -177,6 +185,7 @@ async def wait_many(request: web.Request) -> web.Response:
     questions, met = await request.app[QUESTIONS].wait_many(
         request[PRINCIPAL], body.ids, timeout, every=body.mode == "all"
     )
+    await still_authenticated(request)
     return respond(request, {"items": questions, "mode": body.mode, "condition_met": met})
 
 
