@@ -296,6 +296,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cli_client.run(args)
     try:
         settings = load_settings(args)
+        if args.command == "serve":
+            settings.validate_for_serving()
     except SettingsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -254,7 +254,12 @@ class Settings:
         if self.log_level.upper() not in logging.getLevelNamesMapping():
             raise SettingsError("QS_LOG_LEVEL must be DEBUG, INFO, WARNING, ERROR or CRITICAL")
         self.validate_redis_url()
-        if not 0 <= self.metrics_port <= 65535 or self.metrics_port == self.port:
+        if not 0 <= self.metrics_port <= 65535:
+            raise SettingsError("QS_METRICS_PORT must be 0 or a TCP port")
+
+    def validate_for_serving(self) -> None:
+        """What only `serve` needs: `worker` and `sweep` listen on QS_METRICS_PORT alone."""
+        if self.metrics_port == self.port:
             raise SettingsError("QS_METRICS_PORT must be 0 or a TCP port other than QS_PORT")
 
     def validate_redis_url(self) -> None:

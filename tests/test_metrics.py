@@ -419,7 +419,8 @@ async def test_a_killed_pubsub_connection_counts_a_reconnect(api: Api, redis: Re
 async def test_a_worker_serves_its_sweeper_and_delivery_metrics_on_the_metrics_port(
     redis_server: RedisServer,
 ) -> None:
-    """`worker` has no HTTP API, so QS_METRICS_PORT is where its sweeps and deliveries show."""
+    """`worker` has no HTTP API, so QS_METRICS_PORT is where its sweeps and deliveries show; it
+    may be QS_PORT's number, which only `serve` listens on (a worker container's 8080)."""
     import os
     import sys
 
@@ -429,6 +430,7 @@ async def test_a_worker_serves_its_sweeper_and_delivery_metrics_on_the_metrics_p
         "QS_REDIS_URL": redis_server.url,
         "QS_KEY_PREFIX": settings_for(redis_server.url).key_prefix,
         "QS_METRICS_PORT": str(port),
+        "QS_PORT": str(port),
         "QS_SWEEP_INTERVAL_SECONDS": "0.1",
     }
     worker = await asyncio.create_subprocess_exec(sys.executable, "-m", "service", "worker", env=env)
@@ -452,3 +454,16 @@ async def test_a_worker_serves_its_sweeper_and_delivery_metrics_on_the_metrics_p
     finally:
         worker.kill()
         await worker.wait()
+
+
+def test_serve_refuses_a_metrics_port_that_is_its_own_port() -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "QS_PORT": "18080", "QS_METRICS_PORT": "18080"}
+    done = subprocess.run(
+        [sys.executable, "-m", "service", "serve"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip() == "error: QS_METRICS_PORT must be 0 or a TCP port other than QS_PORT"
