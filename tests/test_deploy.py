@@ -140,6 +140,16 @@ def test_ports_are_the_services_own() -> None:
     assert compose()["services"]["service"]["ports"] == [f"{port}:{port}"]
 
 
+def test_pods_keep_serving_while_their_endpoint_is_removed_within_the_grace_period() -> None:
+    """Endpoints are removed asynchronously: without a pause before SIGTERM, connections that
+    kube-proxy still routes here are refused. The pause must leave the shutdown its own time."""
+    deployment = k8s_docs()["Deployment"]["spec"]["template"]["spec"]
+    command = container(k8s_docs())["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep"
+    pause = int(command[1])
+    assert 1 <= pause <= deployment["terminationGracePeriodSeconds"] - 20
+
+
 def test_redis_conf_keeps_questions_and_sends_expiry_events() -> None:
     lines = {
         tuple(line.split(None, 1))
