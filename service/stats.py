@@ -88,8 +88,9 @@ def _unacknowledged(length: int, groups: Any) -> int:
     for group in groups:
         if str(group.get("name")) == RELAY_GROUP:
             lag = group.get("lag")
-            pending = int(group.get("pending") or 0)
-            return (length if lag is None else int(lag)) + pending
+            if lag is None:  # the group's delivered-but-unacknowledged entries are in the length
+                return length
+            return int(lag) + int(group.get("pending") or 0)
     return length
 
 

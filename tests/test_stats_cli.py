@@ -88,3 +88,22 @@ async def test_stats_reports_overdue_questions_and_event_streams(
         await redis.xadd(f"{settings.key_prefix}:{{p:carol}}:events", {"type": "x", "data": "{}"})
     streams = (await collect(redis, settings))["event_streams"]
     assert streams == {"count": before["count"] + 1, "entries": before["entries"] + 2}
+
+
+async def test_the_outbox_backlog_counts_delivered_entries_once_when_redis_cannot_tell_the_lag(
+    redis: Redis, settings: Settings
+) -> None:
+    """After an XDEL past the group's position Redis reports no lag; the stream's length then
+    bounds the backlog, and the group's pending entries are already in it."""
+    from service.keys import Keys
+    from service.stats import RELAY_GROUP, outbox_backlog
+
+    outbox = Keys(settings.key_prefix).outbox(0)
+    await redis.xgroup_create(outbox, RELAY_GROUP, id="0", mkstream=True)
+    ids = [await redis.xadd(outbox, {"n": str(n)}) for n in range(4)]
+    await redis.xreadgroup(RELAY_GROUP, "relay", {outbox: ">"}, count=2)  # two delivered, unacked
+    await redis.xdel(outbox, ids[3])
+    groups = await redis.xinfo_groups(outbox)
+    assert groups[0]["lag"] is None
+    assert groups[0]["pending"] == 2
+    assert (await outbox_backlog(redis, Keys(settings.key_prefix)))[0].backlog == 3
