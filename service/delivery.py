@@ -39,7 +39,7 @@ from service.model import envelope, timestamp, to_json
 from service.outbound import Attempt, OutboundPolicy, new_session, parse_nets, post
 from service.outbox import OutboxConsumer, Read
 from service.pings import ChannelRegistry, ServerKeys, build_ping, parse_ref, send_ping
-from service.scripts import Code, Scripts, pairs_to_fields
+from service.scripts import Code, Reply, Scripts, pairs_to_fields
 from service.settings import Settings
 from service.store import QuestionStore, new_call_id
 from service.webhooks import WebhookRegistry
@@ -70,6 +70,10 @@ def signed_headers(delivery: str, secret: str, body: str, now: datetime) -> dict
         "webhook-timestamp": str(int(now.timestamp())),
         "webhook-signature": Signer(secret).sign(delivery, now, body),
     }
+
+
+# A settled record's status -> the attempt's outcome in /metrics.
+SETTLED_AS = {"delivered": "delivered", "pending": "retry", "dead": "dead"}
 
 
 def parse_schedule(raw: str) -> tuple[float, ...]:
@@ -184,7 +188,9 @@ class DeliveryStore:
             found = await pipe.execute()
         return [Delivery.from_hash(raw) for raw in found if raw]
 
-    async def settle(self, delivery: Delivery, attempt: Attempt, retry_in_ms: int | None) -> Code:
+    async def settle(self, delivery: Delivery, attempt: Attempt, delays_ms: Sequence[int]) -> Reply:
+        """Record the attempt; `delays_ms`: the wait before each retry (after attempt 1, 2, ...),
+        empty when retrying cannot help. The script picks the step by the recorded count."""
         b = delivery.bucket
         reply = await self.scripts.call(
             "deliver_settle",
@@ -195,13 +201,13 @@ class DeliveryStore:
                 "status": attempt.status,
                 "error": attempt.error,
                 "duration": attempt.duration_ms,
-                "retry in": "" if retry_in_ms is None else retry_in_ms,
+                "retry delays": " ".join(str(delay) for delay in delays_ms),
                 "retention": self.retention_ms,
                 "history cap": HISTORY_CAP,
                 "call id": new_call_id(),
             },
         )
-        return reply.code
+        return reply
 
     async def replay(self, did: str) -> dict[str, Any]:
         """Put a dead-lettered delivery back in the queue; NotFound unless it is dead."""
@@ -417,11 +423,12 @@ class DeliverySender:
                 attempt, final = await self._ping(delivery, self.session)
             else:
                 attempt, final = await self._webhook(delivery, self.session)
-        last = final or delivery.attempts >= len(self.schedule)
-        retry_in = None if last else round(self.schedule[delivery.attempts] * random.uniform(0.8, 1.2) * 1000)
-        await self.deliveries.settle(delivery, attempt, retry_in)
+        delays = [] if final else [round(s * random.uniform(0.8, 1.2) * 1000) for s in self.schedule]
+        reply = await self.deliveries.settle(delivery, attempt, delays)
         self.sent += 1
-        outcome = "delivered" if attempt.ok else "dead" if retry_in is None else "retry"
+        outcome = "delivered" if attempt.ok else "retry"
+        if reply.code is Code.APPLIED and reply.fields is not None:
+            outcome = SETTLED_AS.get(str(reply.fields.get("status")), outcome)
         self.attempts["ping" if delivery.webhook.startswith("ch:") else "webhook", outcome] += 1
         if not attempt.ok:
             log.info(

@@ -390,14 +390,33 @@ async def test_settle_rerun_with_the_same_call_id_counts_the_attempt_once(
     b, fields = await stored_delivery(redis, qs, "msg_1", status="pending", attempts="0")
     deliveries = DeliveryStore(redis, scripts, qs.keys, retention_ms=60_000)
     recorder = Recorder(scripts)
-    first = await deliveries.settle(Delivery.from_hash(fields), Attempt(503, "HTTP 503", 12), 5_000)
+    first = await deliveries.settle(Delivery.from_hash(fields), Attempt(503, "HTTP 503", 12), [5_000])
     before = await snapshot(redis, qs.keys.prefix)
     second = await recorder.rerun_last()
-    assert (first, second.code) == (Code.APPLIED, Code.APPLIED)
+    assert (first.code, second.code) == (Code.APPLIED, Code.APPLIED)
     assert await snapshot(redis, qs.keys.prefix) == before
     record = await redis.hgetall(qs.keys.delivery(b, "msg_1"))
     assert record["attempts"] == "1"
     assert len(json.loads(record["history"])) == 1
+
+
+async def test_two_senders_settling_the_same_attempt_step_through_the_schedule_once_each(
+    store: tuple[Redis, Scripts, QuestionStore], redis: Redis
+) -> None:
+    """A lease ran out while the first sender was still sending: a second sender claimed the
+    delivery with the same attempt count and sent it too. Each attempt takes the next step of
+    the schedule, and the attempt past its end dead-letters the delivery."""
+    _, scripts, qs = store
+    _, fields = await stored_delivery(redis, qs, "msg_3", status="pending", attempts="1")
+    deliveries = DeliveryStore(redis, scripts, qs.keys, retention_ms=60_000)
+    seen_by_both = Delivery.from_hash(fields)  # attempts 1 when each claimed it
+    first = await deliveries.settle(seen_by_both, Attempt(503, "HTTP 503", 12), [1_000, 60_000])
+    assert first.fields is not None
+    assert (first.fields["status"], first.fields["attempts"]) == ("pending", "2")
+    assert int(first.fields["next_ms"]) - int(first.fields["last_ms"]) == 60_000
+    second = await deliveries.settle(seen_by_both, Attempt(503, "HTTP 503", 9), [1_000, 60_000])
+    assert second.fields is not None
+    assert (second.fields["status"], second.fields["attempts"]) == ("dead", "3")
 
 
 async def test_replay_rerun_with_the_same_call_id_reports_applied_and_changes_nothing(
