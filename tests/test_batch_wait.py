@@ -60,7 +60,9 @@ async def test_timeout_lists_pending_questions_as_pending(api: Api) -> None:
 async def test_already_terminal_questions_return_at_once(api: Api) -> None:
     agent, alice, ids = await setup(api, 2)
     await api.answer(alice, ids[0], "yes")
-    reply = await batch_wait(api, agent, ids, 30, "any")
+    # A wait that parked would also meet the condition, at its 30 s timeout: hence the bound.
+    async with asyncio.timeout(5):
+        reply = await batch_wait(api, agent, ids, 30, "any")
     assert reply.body["condition_met"] is True
 
 

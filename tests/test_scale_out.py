@@ -27,7 +27,9 @@ async def test_waiter_on_one_instance_wakes_from_an_answer_on_another(settings: 
         waits = [asyncio.create_task(a.wait(agent, q["id"], 10)) for q in questions]
         await asyncio.sleep(0.2)
         answers = await asyncio.gather(*(b.answer(alice, q["id"], "yes") for q in questions))
-        woken = await asyncio.gather(*waits)
+        # Well inside the waits' own 10 s, at whose end they would read the answers anyway.
+        async with asyncio.timeout(5):
+            woken = await asyncio.gather(*waits)
         for answered, waited in zip(answers, woken, strict=True):
             assert answered.body["applied"] is True
             assert waited.body == answered.body["question"]
@@ -125,12 +127,14 @@ async def test_room_member_answers_through_an_instance_that_never_saw_the_questi
         carol = await a.principal("carol", "user")
         await a.room("ops", ["alice"])
         question = await a.ask(agent, {"room": "ops"})
-        outsider = await b.answer(carol, question["id"], "yes")
-        assert outsider.status == 404
+        # The member first: any earlier call through b (even a refused one) would teach b the
+        # question's room, and the answer would not take the path of a process that never saw it.
         member = await b.answer(alice, question["id"], "no")
         assert member.status == 200
         assert member.body["applied"] is True
         assert member.body["question"]["answer"]["responder"] == "alice"
+        outsider = await b.answer(carol, question["id"], "yes")
+        assert outsider.status == 404
     finally:
         await first.close()
         await second.close()
