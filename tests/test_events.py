@@ -18,6 +18,7 @@ from redis.exceptions import ResponseError
 
 from service import outbox as outbox_module
 from service.events import GROUP, EventHub, EventRelay
+from service.http.appkeys import EVENT_HUB
 from service.keys import Keys
 from service.outbox import RUN_ALL_BATCH
 from tests.api import Api
@@ -128,6 +129,27 @@ async def test_a_last_event_id_beyond_the_newest_event_resumes_from_the_newest(a
         asked = await api.ask(agent, {"user": "alice"})
         seen = await next_event(events)
     assert (seen["event"], seen["data"]["id"]) == ("question.created", asked["id"])
+
+
+async def test_head_of_the_event_stream_is_its_headers_alone_and_holds_no_stream(api: Api) -> None:
+    """A body after a HEAD's headers is read as the next response on a kept-alive connection;
+    and an open HEAD held one of the principal's stream slots."""
+    _, alice, _ = await people(api)
+    server = api.client.server
+    reader, writer = await asyncio.open_connection(server.host, server.port)
+    request = f"HEAD /v1/events HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {alice}\r\n"
+    try:
+        writer.write(request.encode() + b"Connection: close\r\n\r\n")
+        async with asyncio.timeout(5):  # a stream would never end
+            reply = await reader.read()
+    finally:
+        writer.close()
+        await writer.wait_closed()
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    assert b"text/event-stream" in head
+    assert body == b""
+    assert api.client.app[EVENT_HUB].streams_of("alice") == 0
 
 
 async def test_a_bad_last_event_id_is_refused(api: Api) -> None:

@@ -262,10 +262,13 @@ async def events(request: web.Request) -> web.StreamResponse:
     limit = request.app[SETTINGS].sse_streams_per_principal
     if hub.streams_of(principal.id) >= limit:  # checked and taken with no await between
         raise TooManyStreams(f"{principal.id!r} has {limit} open event streams in this process; close one")
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    if request.method == "HEAD":  # the stream's status and headers, no stream (nor its slot)
+        return web.Response(headers=headers, content_type="text/event-stream")
     subscriber = hub.subscribe(principal.id, position)
     heartbeat = request.app[SETTINGS].sse_heartbeat_seconds
     token, directory = bearer_token(request), request.app[DIRECTORY]
-    response = web.StreamResponse(headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    response = web.StreamResponse(headers=headers)
     response.headers[REQUEST_ID_HEADER] = request[REQUEST_ID]  # prepared here, not in the middleware
     response.content_type = "text/event-stream"
     try:
