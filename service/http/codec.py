@@ -99,7 +99,12 @@ async def read_body(request: web.Request, *, optional: bool = False) -> Any:
     except web.HTTPRequestEntityTooLarge as exc:
         raise TooLarge(f"the body exceeds {settings.max_body_bytes} bytes") from exc
     except RequestPayloadError as exc:  # a Content-Encoding the body does not match
-        raise Malformed(f"the body cannot be read: {exc}") from exc
+        # The rest of the body cannot be decoded either: end it here and close the connection
+        # after the reply, rather than let aiohttp read it again (to keep the connection alive)
+        # and log the same error as an unhandled exception.
+        request.content.feed_eof()
+        request.protocol.close()
+        raise Malformed(f"the body is not valid {coding} data, as its Content-Encoding says") from exc
     if not raw and optional:
         return {}
     return decode(raw, request.content_type)
