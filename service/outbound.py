@@ -101,7 +101,11 @@ class OutboundPolicy:
 _LEGACY_IPV4 = re.compile(r"^(?:0x[0-9a-f]*|[0-9]+)(?:\.(?:0x[0-9a-f]*|[0-9]+)){0,3}\.?\Z", re.IGNORECASE)
 
 
-_SPACE_OR_CONTROL = re.compile(r"[\x00-\x20\x7f]")
+# Every space and every control or format character (C0, DEL, C1, NBSP, the Unicode spaces and
+# line separators, zero-width and byte-order marks): none belongs in a URL as typed.
+_SPACE_OR_CONTROL = re.compile(
+    r"[\s\x00-\x20\x7f-\xa0\u00ad\u180e\u200b-\u200f\u2028-\u202f\u2060-\u206f\ufeff]"
+)
 # Dot-separated labels of 1-63 characters, at most 253 in all; '_' too, as some internal names use it.
 _HOST_NAME = re.compile(r"^(?=.{1,253}\.?\Z)[a-z0-9_-]{1,63}(?:\.[a-z0-9_-]{1,63})*\.?\Z", re.IGNORECASE)
 

@@ -23,7 +23,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from standardwebhooks.webhooks import Webhook as Verifier
 
-from service.errors import Unavailable
+from service.errors import Invalid, Unavailable
 from service.http.appkeys import DELIVERY_WORKERS, REDIS, SETTINGS
 from service.keys import BUCKETS, new_question_id
 from service.outbound import AddressRefused, GuardedResolver, OutboundPolicy, new_session, parse_nets, post
@@ -399,6 +399,18 @@ def test_outbound_policy_refuses_every_non_public_address(address: str, refused:
 )
 def test_public_names_and_dotted_quads_pass_the_url_check(host: str) -> None:
     assert OutboundPolicy().check_url(f"https://{host}/hook") == f"https://{host}/hook"
+
+
+@pytest.mark.parametrize(
+    "character",
+    [" ", "\t", "\x7f", "\x85", "\x9b", "\xa0", "\u2028", "\u3000", "\u200b", "\ufeff"],
+    ids=["space", "tab", "del", "nel", "csi", "nbsp", "line-separator", "ideographic-space",
+         "zero-width-space", "bom"],
+)  # fmt: skip
+def test_a_url_with_any_space_or_control_character_is_refused(character: str) -> None:
+    """What is checked must be what is sent: yarl percent-encodes these on the way out."""
+    with pytest.raises(Invalid, match="spaces or control characters"):
+        OutboundPolicy().check_url(f"https://example.com/ho{character}ok")
 
 
 def test_the_allow_list_opens_exactly_its_networks() -> None:
