@@ -514,6 +514,11 @@ BAD_QUERIES = {
     "wait-timeout-negative": ("GET", "/v1/questions/{q}/wait?timeout=-1", "agent"),
     "wait-timeout-nan": ("GET", "/v1/questions/{q}/wait?timeout=nan", "agent"),
     "wait-timeout-infinite": ("GET", "/v1/questions/{q}/wait?timeout=inf", "agent"),
+    "wait-timeout-underscore": ("GET", "/v1/questions/{q}/wait?timeout=1_0", "agent"),
+    "wait-timeout-full-width": ("GET", "/v1/questions/{q}/wait?timeout=%EF%BC%92", "agent"),
+    "wait-timeout-spaces": ("GET", "/v1/questions/{q}/wait?timeout=%20%202%20", "agent"),
+    "wait-timeout-plus": ("GET", "/v1/questions/{q}/wait?timeout=%2B2", "agent"),
+    "wait-timeout-trailing-dot": ("GET", "/v1/questions/{q}/wait?timeout=2.", "agent"),
     # A typo must not silently change meaning: ?timout=5 would otherwise wait the default.
     "wait-unknown-param": ("GET", "/v1/questions/{q}/wait?timeout=0&timout=5", "agent"),
     "fetch-unknown-param": ("GET", "/v1/questions/{q}?fields=all", "agent"),
