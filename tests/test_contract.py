@@ -838,6 +838,7 @@ async def test_a_msgpack_cancel_body_is_read_like_json(cast: Cast) -> None:
     [
         ("application/msgpack", "application/msgpack"),
         ("application/msgpack;q=0", "application/json"),
+        ("application/msgpack;Q=0", "application/json"),  # parameter names are case-insensitive
         ("application/msgpack; q=0.0, */*", "application/json"),
         ("application/msgpack;q=nan", "application/json"),
         ("application/msgpack;q=7", "application/json"),

@@ -122,7 +122,7 @@ def wants_msgpack(request: web.Request) -> bool:
         quality = 1.0
         for param in params.split(";"):
             name, _, value = param.strip().partition("=")
-            if name == "q":
+            if name.lower() == "q":  # parameter names are case-insensitive (RFC 9110 5.6.6)
                 try:
                     quality = float(value)
                 except ValueError:
