@@ -74,7 +74,8 @@ def serve(request: web.Request, name: str) -> web.Response:
     if asset is None:
         raise NotFound(f"no file {name!r} in the web inbox")
     headers = {**SECURITY_HEADERS, "Cache-Control": "no-cache", "ETag": asset.etag}
-    if asset.etag in _etags(request.headers.get("If-None-Match", "")):
+    tags = _etags(request.headers.get("If-None-Match", ""))
+    if asset.etag in tags or "*" in tags:  # "*" matches any current representation
         return web.Response(status=304, headers=headers)
     return web.Response(body=asset.body, headers={**headers, "Content-Type": asset.content_type})
 
@@ -89,4 +90,7 @@ async def inbox(request: web.Request) -> web.Response:
 
 
 async def web_file(request: web.Request) -> web.Response:
-    return serve(request, request.match_info["name"])
+    name = request.match_info["name"]
+    if name == INDEX:  # the page has one address, `/`
+        raise NotFound(f"no file {name!r} in the web inbox: the inbox page is /")
+    return serve(request, name)

@@ -39,10 +39,12 @@ async def test_each_inbox_file_has_its_type_a_strict_csp_and_revalidates(
     name = "index.html" if path == "/" else path.removeprefix("/web/")
     assert reply.body == (WEB_DIR / name).read_bytes()
 
-    again = await api.call("GET", path, headers={"If-None-Match": reply.headers["Etag"]})
-
-    assert again.status == 304
-    assert again.body == b""
+    for condition in (reply.headers["Etag"], f'"other", {reply.headers["Etag"]}', "*"):
+        again = await api.call("GET", path, headers={"If-None-Match": condition})
+        assert again.status == 304, condition  # "*": any current representation (RFC 9110)
+        assert again.body == b""
+    changed = await api.call("GET", path, headers={"If-None-Match": '"other"'})
+    assert changed.status == 200
 
 
 async def test_the_page_loads_only_its_own_files_and_runs_no_inline_code(api: Api) -> None:
@@ -56,7 +58,9 @@ async def test_the_page_loads_only_its_own_files_and_runs_no_inline_code(api: Ap
     assert re.search(r"\son[a-z]+=", page) is None, "an inline event handler"
 
 
-@pytest.mark.parametrize("path", ["/web/nothing.js", "/web/..%2F__init__.py", "/web/web.py"])
+@pytest.mark.parametrize(
+    "path", ["/web/nothing.js", "/web/..%2F__init__.py", "/web/web.py", "/web/index.html"]
+)  # the page itself has one address, /
 async def test_anything_but_the_inbox_files_is_a_404_problem(api: Api, path: str) -> None:
     reply = await api.call("GET", path)
 
