@@ -8,6 +8,8 @@ import asyncio
 import base64
 import collections
 import contextlib
+import hashlib
+import hmac
 import json
 import os
 import re
@@ -28,10 +30,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from standardwebhooks.webhooks import Webhook as Verifier
 
+from service.errors import InvalidAction
 from service.http.app import create_app
 from service.http.appkeys import ACTIONS, QUESTIONS
 from service.keys import Keys
-from service.pings import Channel
+from service.pings import ActionClaim, Channel, sign_action, verify_action
 from service.settings import Settings
 from tests.api import Api
 from tests.conftest import ADMIN_TOKEN, close_client, test_settings
@@ -573,3 +576,20 @@ async def test_a_room_members_action_link_answers_as_that_member(
     assert reply.body["applied"] is True
     assert reply.body["question"]["answer"]["responder"] == "bob"
     assert reply.body["question"]["id"] == question["id"]
+
+
+@pytest.mark.parametrize(
+    "claim",
+    [["nope", "alice", "yes", 1], [["0" * 25], "alice", "yes", 1], ["0" * 25, "alice", "yes", "1"],
+     ["0" * 25, 7, "yes", 1], ["0" * 25, "alice", "yes", 1.5]],
+    ids=["question-not-an-id", "question-a-list", "expiry-a-string", "user-a-number", "expiry-a-float"],
+)  # fmt: skip
+def test_a_signed_link_whose_claim_is_not_a_real_one_is_refused_not_a_500(claim: list[object]) -> None:
+    """Such a claim verifies only with the deployment's key; its question id names Redis keys."""
+    key = b"k" * 32
+    payload = b64url(json.dumps(claim).encode())
+    token = payload + "." + b64url(hmac.new(key, payload.encode(), hashlib.sha256).digest())
+    with pytest.raises(InvalidAction, match="malformed"):
+        verify_action(key, token)
+    real = ActionClaim("0" * 25, "alice", "yes", 1)
+    assert verify_action(key, sign_action(key, real)) == real
