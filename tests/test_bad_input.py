@@ -419,6 +419,25 @@ async def test_a_body_over_the_maximum_is_413(
     await refused(cast.api, 413, method, path.format(q=question), token, body=body, msgpack_body=msgpack_body)
 
 
+async def test_a_declared_length_over_the_maximum_is_413_before_the_body_arrives(cast: Cast) -> None:
+    """Not a 408 after QS_BODY_TIMEOUT_SECONDS: the header alone says the body is too large."""
+    server = cast.api.client.server
+    limit = settings_of(cast.api).max_body_bytes
+    reader, writer = await asyncio.open_connection(server.host, server.port)
+    try:
+        head = (
+            f"POST /v1/questions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {cast.agent}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {limit + 1}\r\n\r\n"
+        )
+        writer.write(head.encode() + b"{")  # and no more of the body
+        async with asyncio.timeout(5):  # the body timeout is longer: a 408 would come too late
+            status_line = await reader.readline()
+    finally:
+        writer.close()
+        await writer.wait_closed()
+    assert status_line.startswith(b"HTTP/1.1 413"), status_line
+
+
 UNSUPPORTED_TYPES = [
     "text/plain",
     "application/xml",

@@ -88,6 +88,8 @@ async def read_body(request: web.Request, *, optional: bool = False) -> Any:
         raise UnsupportedMediaType(
             f"Content-Encoding {coding!r} is not supported: send identity, gzip or deflate"
         )
+    if (request.content_length or 0) > settings.max_body_bytes:  # said before it is sent
+        raise TooLarge(f"the body exceeds {settings.max_body_bytes} bytes")
     try:
         if request.content.is_eof():  # the whole body came with the headers: no timer to arm
             raw = await request.read()
