@@ -22,6 +22,14 @@ from service.model import (
 )
 
 Identifier = Annotated[str, Meta(pattern=IDENTIFIER.pattern)]
+NTFY_TOKEN = r"^[\x21-\x7e]+$"
+PATTERN_WORDS = {
+    IDENTIFIER.pattern: (
+        "of 1 to 64 characters from a-z, 0-9, '.', '_' and '-', starting with a letter or digit"
+    ),
+    OPTION_ID.pattern: "of 1 to 32 characters from a-z, 0-9, '_' and '-'",
+    NTFY_TOKEN: "of printable ASCII characters without spaces",
+}
 # Fields that would name who answers: identity comes from the bearer token alone.
 IDENTITY_FIELDS = frozenset(
     {"responder", "responder_id", "user", "user_id", "by", "answered_by", "principal",
@@ -107,7 +115,7 @@ class NewChannel(Strict):
     kind: Literal["webpush", "ntfy", "webhook"]
     url: Annotated[str, Meta(min_length=1, max_length=2048)] | None = None
     # Sent as `Authorization: Bearer <token>`: printable ASCII, no spaces or line breaks.
-    token: Annotated[str, Meta(min_length=1, max_length=500, pattern=r"^[\x21-\x7e]+$")] | None = None
+    token: Annotated[str, Meta(min_length=1, max_length=500, pattern=NTFY_TOKEN)] | None = None
     subscription: PushSubscription | None = None
 
     def __post_init__(self) -> None:
@@ -134,4 +142,11 @@ def convert(value: Any, schema: type[T]) -> T:
     try:
         return msgspec.convert(value, schema)
     except msgspec.ValidationError as exc:
-        raise Invalid(str(exc)) from exc
+        raise Invalid(in_words(str(exc))) from exc
+
+
+def in_words(message: str) -> str:
+    """msgspec names a pattern by its regular expression; a client reads the rule instead."""
+    for pattern, words in PATTERN_WORDS.items():
+        message = message.replace(f"matching regex {pattern!r}", words)
+    return message
