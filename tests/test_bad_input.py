@@ -146,10 +146,19 @@ MALFORMED_MSGPACK = {
 
 
 @pytest.mark.parametrize("raw", MALFORMED_MSGPACK.values(), ids=MALFORMED_MSGPACK.keys())
-async def test_malformed_msgpack_is_400(cast: Cast, raw: bytes) -> None:
-    await refused(
+async def test_malformed_msgpack_is_400_and_says_why(cast: Cast, raw: bytes) -> None:
+    problem = await refused(
         cast.api, 400, "POST", "/v1/questions", cast.agent, raw=raw, content_type="application/msgpack"
     )
+    assert not problem["detail"].endswith(": "), problem["detail"]
+
+
+async def test_a_json_number_of_5000_digits_is_400_without_python_advice(cast: Cast) -> None:
+    raw = b'{"prompt": "x", "expires_in": ' + b"1" * 5000 + b"}"
+    problem = await refused(
+        cast.api, 400, "POST", "/v1/questions", cast.agent, raw=raw, content_type="application/json"
+    )
+    assert problem["detail"] == "the body holds a number of more than 4300 digits"
 
 
 @pytest.mark.parametrize("code", [5, 127, -5, -128], ids=["ext-5", "ext-127", "ext-minus-5", "ext-minus-128"])

@@ -59,13 +59,19 @@ def decode(raw: bytes, content_type: str) -> Any:
             return msgpack.unpackb(
                 raw, raw=False, strict_map_key=True, ext_hook=_reject_ext, object_pairs_hook=_unique_keys
             )
+        except msgpack.StackError as exc:  # its message is empty
+            raise Malformed("the body's msgpack nests too deeply") from exc
+        except msgpack.FormatError as exc:  # its message is empty too
+            raise Malformed("the body is not valid msgpack: it holds a reserved byte") from exc
         except (ValueError, msgpack.UnpackException, TypeError, RecursionError) as exc:
-            raise Malformed(f"the body is not valid msgpack: {exc}") from exc
+            raise Malformed(f"the body is not valid msgpack: {exc or type(exc).__name__}") from exc
     if content_type == JSON or content_type.endswith("+json"):
         try:
             # Decoded strictly first: json.loads(bytes) lets UTF-8-encoded surrogates through.
             value = json.loads(raw.decode(), parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            if "integer string conversion" in str(exc):  # Python's own advice is not the client's
+                raise Malformed("the body holds a number of more than 4300 digits") from exc
             raise Malformed(f"the body is not valid JSON: {exc}") from exc
         if _SURROGATE_ESCAPE.search(raw):
             _reject_lone_surrogates(value)
