@@ -115,19 +115,38 @@ async def test_registration_shows_the_secret_once_lists_without_it_rotates_and_d
     listed = (await api.call("GET", "/v1/webhooks", agent)).body["webhooks"]
     assert [h["id"] for h in listed] == [hook["id"]]
     assert "secret" not in listed[0]
+    assert (await api.call("GET", f"/v1/webhooks/{hook['id']}", agent)).body == listed[0]
     assert (await api.call("GET", "/v1/webhooks", other)).body["webhooks"] == []
     rotated = await api.call("POST", f"/v1/webhooks/{hook['id']}/rotate", agent)
     assert rotated.status == 200
     assert rotated.body["secret"] not in ("", hook["secret"])
     for method, path in [
         ("POST", f"/v1/webhooks/{hook['id']}/rotate"),
+        ("GET", f"/v1/webhooks/{hook['id']}"),
         ("DELETE", f"/v1/webhooks/{hook['id']}"),
         ("GET", f"/v1/webhooks/{hook['id']}/deliveries"),
     ]:
         assert (await api.call(method, path, other)).status == 404, (method, path)
     assert (await api.call("DELETE", f"/v1/webhooks/{hook['id']}", agent)).status == 204
     assert (await api.call("DELETE", f"/v1/webhooks/{hook['id']}", agent)).status == 404
+    assert (await api.call("GET", f"/v1/webhooks/{hook['id']}", agent)).status == 404
     assert (await api.call("GET", "/v1/webhooks", agent)).body["webhooks"] == []
+
+
+async def test_the_location_of_a_new_webhook_or_principal_can_be_read(
+    api_with: Callable[..., Awaitable[Api]], receiver: RecordingReceiver
+) -> None:
+    api = await api_with()
+    agent = await api.principal("deploybot", "agent")
+    body = {"url": receiver.url, "events": ["question.answered"]}
+    created = await api.call("POST", "/v1/webhooks", agent, body)
+    located = await api.call("GET", created.headers["Location"], agent)
+    assert located.status == 200
+    assert located.body == {k: v for k, v in created.body.items() if k != "secret"}
+    made = await api.call("POST", "/v1/admin/principals", api.admin, {"id": "pat", "kind": "user"})
+    principal = await api.call("GET", made.headers["Location"], api.admin)
+    assert (principal.status, principal.body) == (200, made.body["principal"])
+    assert (await api.call("GET", "/v1/admin/principals/nobody", api.admin)).status == 404
 
 
 @pytest.mark.parametrize(

@@ -307,6 +307,11 @@ async def list_webhooks(request: web.Request) -> web.Response:
     return respond(request, {"webhooks": [hook.public() for hook in hooks]})
 
 
+async def get_webhook(request: web.Request) -> web.Response:
+    hook = await request.app[WEBHOOKS].get(request[PRINCIPAL].id, request.match_info["id"])
+    return respond(request, hook.public())
+
+
 async def rotate_webhook(request: web.Request) -> web.Response:
     hook = await request.app[WEBHOOKS].rotate(request[PRINCIPAL].id, request.match_info["id"])
     return respond(request, hook.with_secret())
@@ -407,6 +412,12 @@ async def create_principal(request: web.Request) -> web.Response:
         status=201,
         headers={"Location": f"/v1/admin/principals/{principal.id}"},
     )
+
+
+async def get_principal(request: web.Request) -> web.Response:
+    require_admin(request)
+    principal = await request.app[DIRECTORY].require_principal(request.match_info["id"])
+    return respond(request, principal.public())
 
 
 async def issue_token(request: web.Request) -> web.Response:
@@ -527,6 +538,7 @@ ROUTES = [
     web.post("/v1/webhooks", create_webhook),
     web.get("/v1/webhooks", list_webhooks),
     web.post("/v1/webhooks/{id}/rotate", rotate_webhook),
+    web.get("/v1/webhooks/{id}", get_webhook),
     web.delete("/v1/webhooks/{id}", delete_webhook),
     web.get("/v1/webhooks/{id}/deliveries", list_deliveries),
     web.get("/v1/admin/deadletters", list_dead_letters),
@@ -537,6 +549,7 @@ ROUTES = [
     web.get("/v1/webpush/key", webpush_key),
     web.post("/v1/actions/{token}", act),
     web.post("/v1/admin/principals", create_principal),
+    web.get("/v1/admin/principals/{id}", get_principal),
     web.post("/v1/admin/principals/{id}/tokens", issue_token),
     web.delete("/v1/admin/tokens/{ref}", revoke_token),
     web.put("/v1/admin/rooms/{room}", put_room),
