@@ -548,6 +548,7 @@ BAD_QUERIES = {
     "wait-timeout-spaces": ("GET", "/v1/questions/{q}/wait?timeout=%20%202%20", "agent"),
     "wait-timeout-plus": ("GET", "/v1/questions/{q}/wait?timeout=%2B2", "agent"),
     "wait-timeout-trailing-dot": ("GET", "/v1/questions/{q}/wait?timeout=2.", "agent"),
+    "wait-timeout-overflowing": ("GET", "/v1/questions/{q}/wait?timeout=1e999", "agent"),
     # A typo must not silently change meaning: ?timout=5 would otherwise wait the default.
     "wait-unknown-param": ("GET", "/v1/questions/{q}/wait?timeout=0&timout=5", "agent"),
     "fetch-unknown-param": ("GET", "/v1/questions/{q}?fields=all", "agent"),

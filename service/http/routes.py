@@ -48,7 +48,8 @@ from service.stats import LOSSY, redis_checks, warnings_of
 PRINCIPAL = web.RequestKey("principal", Principal)
 _PREFER_WAIT = re.compile(r"(?:^|[,;\s])wait\s*=\s*\"?(\d+(?:\.\d+)?)\"?\s*(?:[,;]|$)", re.IGNORECASE)
 _DIGITS = re.compile(r"^[0-9]{1,9}\Z")
-_SECONDS = re.compile(r"^[0-9]{1,9}(?:\.[0-9]{1,9})?\Z")
+# A JSON number's digits (the OpenAPI type is number), not negative, as float() alone would not.
+_SECONDS = re.compile(r"^(?=.{1,32}\Z)[0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?\Z")
 _IDEMPOTENCY_KEY = re.compile(r'^"?([\x21\x23-\x7e]{1,255})"?$')
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -202,7 +203,8 @@ def wait_seconds(request: web.Request) -> tuple[float, bool]:
         return min(float(preferred.group(1)), settings.wait_max_seconds), True
     if raw is None:
         return settings.wait_default_seconds, False
-    if not _SECONDS.match(raw):  # float() also takes "1_0", "+2", " 2 ", full-width digits, "nan"
+    # float() also takes "1_0", "+2", " 2 ", full-width digits, "nan" and "inf".
+    if not _SECONDS.match(raw) or float(raw) == float("inf"):
         raise Invalid("timeout must be a non-negative number of seconds, like 30 or 0.5")
     return min(float(raw), settings.wait_max_seconds), False
 
