@@ -16,6 +16,7 @@ from typing import Any
 
 import msgpack
 import pytest
+from multidict import CIMultiDict
 
 from tests.api import Api
 from tests.helpers_contract import (
@@ -584,6 +585,30 @@ async def test_an_expired_token_is_401_and_nothing_is_written(cast: Cast) -> Non
     await asyncio.sleep(1.1)
     problem = await refused(cast.api, 401, "POST", "/v1/questions", token, body=question_body(ALICE))
     assert problem["status"] == 401
+
+
+@pytest.mark.parametrize(("header", "status"), [("Authorization", 401), ("Idempotency-Key", 422)])
+async def test_a_header_that_names_a_credential_or_key_twice_is_refused_and_writes_nothing(
+    cast: Cast, header: str, status: int
+) -> None:
+    """Two values and no rule for which counts: a proxy may have checked the other one."""
+    values = {
+        "Authorization": (f"Bearer {cast.agent}", f"Bearer {cast.alice}"),
+        "Idempotency-Key": ("a", "b"),
+    }
+    headers = CIMultiDict([("Content-Type", "application/json"), ("Authorization", f"Bearer {cast.agent}")])
+    if header == "Authorization":
+        headers.popall("Authorization")
+    for value in values[header]:
+        headers.add(header, value)
+    async with Unchanged(cast.api):
+        response = await cast.api.client.post(
+            "/v1/questions", data=json.dumps(question_body(ALICE)), headers=headers
+        )
+        data = await response.read()
+    assert response.status == status, data
+    assert response.content_type == "application/problem+json"
+    assert "not several" in json.loads(data)["detail"]
 
 
 @pytest.mark.parametrize(

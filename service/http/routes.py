@@ -81,6 +81,8 @@ def bearer_token(request: web.Request) -> str:
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise Unauthenticated("send Authorization: Bearer <token>")
+    if len(request.headers.getall("Authorization")) > 1:  # a proxy may have checked the other
+        raise Unauthenticated("send one Authorization header, not several")
     return token.strip()
 
 
@@ -213,6 +215,8 @@ def idempotency_key(request: web.Request) -> str | None:
     raw = request.headers.get("Idempotency-Key")
     if raw is None:
         return None
+    if len(request.headers.getall("Idempotency-Key")) > 1:  # which one was meant is not a guess
+        raise Invalid("send one Idempotency-Key header, not several")
     match = _IDEMPOTENCY_KEY.match(raw.strip())
     if not match:
         raise Invalid("Idempotency-Key must be 1-255 visible ASCII characters")
