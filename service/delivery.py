@@ -51,8 +51,12 @@ CLAIM_BATCH = 50
 SEND_CONCURRENCY = 32
 
 
-def delivery_id(outbox_entry: str, target: str) -> str:
-    return "msg_" + hashlib.sha256(f"{outbox_entry}|{target}".encode()).hexdigest()[:32]
+def delivery_id(question_id: str, outbox_entry: str, target: str) -> str:
+    """The same for every fan-out of one event to one target, and only for it. The question id
+    is in it because entry ids are unique only within one bucket's outbox: two buckets append
+    in the same millisecond under the same id (different questions, one webhook-id, otherwise)."""
+    key = f"{question_id}|{outbox_entry}|{target}"
+    return "msg_" + hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
 def webhook_body(event_type: str, committed_ms: int, question: dict[str, Any]) -> str:
@@ -314,9 +318,11 @@ class OutboxFanout(OutboxConsumer):
         records = []
         if targets:
             body = webhook_body(event["type"], int(entry_id.split("-")[0]), envelope(question))
-            records = [(target, url, body, delivery_id(entry_id, target)) for target, url in targets]
+            records = [
+                (target, url, body, delivery_id(question["id"], entry_id, target)) for target, url in targets
+            ]
         refs = await self._ping_refs(event["type"], question)
-        records += [(ref, "", "", delivery_id(entry_id, ref)) for ref in refs]
+        records += [(ref, "", "", delivery_id(question["id"], entry_id, ref)) for ref in refs]
         if records:
             await self.deliveries.enqueue_many(event, records)
 

@@ -25,7 +25,7 @@ from standardwebhooks.webhooks import Webhook as Verifier
 
 from service.errors import Invalid, Unavailable
 from service.http.appkeys import DELIVERY_WORKERS, REDIS, SETTINGS
-from service.keys import BUCKETS, new_question_id
+from service.keys import BUCKETS, bucket_of, new_question_id
 from service.outbound import AddressRefused, GuardedResolver, OutboundPolicy, new_session, parse_nets, post
 from service.settings import Settings
 from tests.api import Api
@@ -690,6 +690,33 @@ async def test_a_pass_whose_sends_fail_waits_for_all_of_them_and_reports_every_f
         await workers.sender.send_due()
     assert len(settled) == 3
     assert caplog.text.count("failed too") == 2
+
+
+async def test_events_of_two_buckets_under_the_same_entry_id_are_two_deliveries_with_two_ids(
+    api_with: Callable[..., Awaitable[Api]], receiver: RecordingReceiver, redis_server: RedisServer
+) -> None:
+    """Entry ids are unique within one bucket's outbox only: two buckets appending in the same
+    millisecond get the same id. Their events were one webhook-id (receivers dropped the second
+    as a duplicate) and the same delivery key name in two buckets."""
+    api = await api_with(test_settings(redis_server.url, **{**FAST, "run_delivery": False}))
+    agent = await api.principal("deploybot", "agent")
+    await api.principal("alice", "user")
+    hook = await register(api, agent, receiver.url, ["question.created"])
+    fanout = api.client.server.app[DELIVERY_WORKERS].fanout
+    redis = api.client.server.app[REDIS]
+    await fanout.ensure_groups()
+    by_bucket: dict[int, str] = {}
+    while len(by_bucket) < 2:
+        question = await api.ask(agent, {"user": "alice"})
+        by_bucket.setdefault(bucket_of(question["id"]), question["id"])
+    outboxes = {fanout.keys.outbox(b): "0" for b in by_bucket}
+    read = await redis.xread(outboxes)
+    same_id = "1700000000000-0"
+    await fanout.process([(outbox, [(same_id, entries[0][1])]) for outbox, entries in read])
+
+    made = await deliveries(api, agent, hook["id"])
+    assert sorted(d["question_id"] for d in made) == sorted(by_bucket.values())
+    assert len({d["id"] for d in made}) == 2
 
 
 async def test_a_fan_out_refused_by_a_full_redis_is_retried_later_not_skipped(
