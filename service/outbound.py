@@ -10,6 +10,7 @@ Redirects are never followed, and proxies from the environment are ignored.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import re
 import socket
@@ -193,7 +194,10 @@ async def post(
             allow_redirects=False,
             timeout=aiohttp.ClientTimeout(total=timeout),
         ) as response:
-            await _drain_up_to(response, RESPONSE_READ_LIMIT)
+            # The status decides, once it came: the body is read only so that the connection
+            # can be reused, and one that stalls or breaks off changes nothing about the answer.
+            with contextlib.suppress(TimeoutError, aiohttp.ClientError):
+                await _drain_up_to(response, RESPONSE_READ_LIMIT)
             if 200 <= response.status < 300:
                 return done(response.status)
             return done(response.status, f"HTTP {response.status}")

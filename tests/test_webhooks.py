@@ -507,6 +507,26 @@ async def test_a_receiver_whose_reply_body_never_ends_gets_its_status_recorded_n
     assert (attempt.status, attempt.error) == (200, "")
 
 
+async def test_a_2xx_whose_body_stalls_is_recorded_as_delivered_not_resent() -> None:
+    """The status decides; the body is read only so the connection can be reused. A body that
+    stalled past the timeout turned a delivered 200 into "no response" and a resend."""
+
+    async def stalls(request: web.Request) -> web.StreamResponse:
+        reply = web.StreamResponse()
+        reply.content_length = 1000
+        await reply.prepare(request)
+        await reply.write(b"x" * 10)
+        await asyncio.sleep(3)  # past the sender's 1 s; then the server can shut down
+        return reply
+
+    app = web.Application()
+    app.router.add_post("/hook", stalls)
+    async with on_loopback(app) as base, aiohttp.ClientSession() as session:
+        loopback = OutboundPolicy(parse_nets("127.0.0.0/8"))
+        attempt = await post(session, loopback, f"{base}/hook", b"{}", {}, 1)
+    assert (attempt.status, attempt.error) == (200, "")
+
+
 async def test_a_sender_killed_between_send_and_record_leaves_the_delivery_to_another(
     api_with: Callable[..., Awaitable[Api]], redis_server: RedisServer, receiver: RecordingReceiver
 ) -> None:
