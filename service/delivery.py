@@ -390,36 +390,71 @@ class DeliverySender:
         # (target kind webhook|ping, outcome delivered|retry|dead) -> attempts, for /metrics
         self.attempts: collections.Counter[tuple[str, str]] = collections.Counter()
         self.stopping = False
+        self._sending: set[asyncio.Task[None]] = set()  # claimed, not yet recorded
+        self._failures: list[BaseException] = []
 
     async def run(self) -> None:
         await keep_running("delivery sender", self._send_forever, lambda: self.stopping)
 
     async def aclose(self) -> None:
+        await stop_tasks(list(self._sending))  # their leases run out; another send takes them
         if self.session is not None:
             await self.session.close()
 
     async def _send_forever(self, backoff: Backoff) -> None:
+        """Claim as sends finish, never waiting for a whole pass: one slow receiver held up
+        every other delivery of the process for up to its timeout, again on each retry."""
         while not self.stopping:
-            claimed = await self.send_due()
+            self._raise_failed_sends()
+            started = await self._start_due()
             backoff.succeeded()
-            if not claimed:
+            if not started:
                 await asyncio.sleep(self.poll_seconds)
 
+    async def _start_due(self) -> int:
+        """Claim what is due while fewer than the claim budget are claimed and unrecorded (so
+        each is sent and recorded within its lease), and start sending each on its own."""
+        room = self.claim_budget - len(self._sending)
+        due = await self._claim(room) if room > 0 else []
+        for delivery in due:
+            task = asyncio.create_task(self._send(delivery))
+            self._sending.add(task)
+            task.add_done_callback(self._recorded)
+        return len(due)
+
+    def _recorded(self, task: asyncio.Task[None]) -> None:
+        self._sending.discard(task)
+        failure = None if task.cancelled() else task.exception()
+        if failure is not None:
+            self._failures.append(failure)
+
+    def _raise_failed_sends(self) -> None:
+        """A send that failed (Redis, say) reaches the loop's backoff, as a failed claim does."""
+        failures, self._failures = self._failures, []
+        for failure in failures[1:]:
+            log.warning("another send failed too: %r", failure)
+        if failures:
+            raise failures[0]
+
     async def send_due(self) -> int:
-        """One pass: claim what is due, up to the claim budget, bucket after bucket (starting one
-        bucket further each pass, so a busy bucket cannot starve the others); send it; the
-        number sent."""
-        claimed: list[Delivery] = []
-        for i in range(BUCKETS):
-            budget = self.claim_budget - len(claimed)
-            if budget <= 0:
-                break
-            b = (self._first_bucket + i) % BUCKETS
-            claimed += await self.deliveries.claim(b, self.lease_ms, min(budget, CLAIM_BATCH))
-        self._first_bucket = (self._first_bucket + 1) % BUCKETS
-        due = [d for d in claimed if d.status == "pending"]
+        """One pass, waited for: claim what is due up to the claim budget, send it all, and
+        return how many were sent."""
+        due = await self._claim(self.claim_budget)
         await _all_of(self._send(d) for d in due)
         return len(due)
+
+    async def _claim(self, budget: int) -> list[Delivery]:
+        """Up to `budget` due deliveries, bucket after bucket (starting one bucket further each
+        time, so a busy bucket cannot starve the others)."""
+        claimed: list[Delivery] = []
+        for i in range(BUCKETS):
+            room = budget - len(claimed)
+            if room <= 0:
+                break
+            b = (self._first_bucket + i) % BUCKETS
+            claimed += await self.deliveries.claim(b, self.lease_ms, min(room, CLAIM_BATCH))
+        self._first_bucket = (self._first_bucket + 1) % BUCKETS
+        return [d for d in claimed if d.status == "pending"]
 
     async def _send(self, delivery: Delivery) -> None:
         if self.session is None:

@@ -507,6 +507,42 @@ async def test_a_receiver_whose_reply_body_never_ends_gets_its_status_recorded_n
     assert (attempt.status, attempt.error) == (200, "")
 
 
+async def test_a_slow_receiver_does_not_hold_up_deliveries_to_others(
+    api_with: Callable[..., Awaitable[Api]], receiver: RecordingReceiver
+) -> None:
+    """The sender waited for every send of a pass before claiming again: one receiver taking
+    its time (within the timeout) delayed every other webhook and Ping of the process."""
+    release = asyncio.Event()
+
+    async def reply(n: int) -> web.Response:
+        if receiver.hits[n - 1].path == "/slow":
+            await asyncio.wait_for(release.wait(), 20)
+        return web.Response(status=200)
+
+    receiver.reply = reply
+    api = await api_with(webhook_timeout_seconds=10, delivery_lease_seconds=30)
+    slow, fast = await api.principal("slowbot", "agent"), await api.principal("fastbot", "agent")
+    await api.principal("alice", "user")
+    await register(api, slow, f"{receiver.base}/slow", ["question.created"])
+    await register(api, fast, f"{receiver.base}/fast", ["question.created"])
+
+    def hit(path: str) -> Callable[[], Awaitable[bool]]:
+        async def arrived() -> bool:
+            return any(h.path == path for h in receiver.hits)
+
+        return arrived
+
+    try:
+        await api.ask(slow, {"user": "alice"})
+        await eventually(hit("/slow"), within=5, what="the slow receiver's request")
+        await api.ask(fast, {"user": "alice"})
+        # While the slow receiver still holds its request (a liveness bound, not a speed claim):
+        await eventually(hit("/fast"), within=5, what="the other receiver's request")
+        assert not release.is_set()
+    finally:
+        release.set()
+
+
 async def test_a_2xx_whose_body_stalls_is_recorded_as_delivered_not_resent() -> None:
     """The status decides; the body is read only so the connection can be reused. A body that
     stalled past the timeout turned a delivered 200 into "no response" and a resend."""
