@@ -465,3 +465,17 @@ async def test_an_action_link_needs_no_token_but_a_forged_one_changes_nothing(wo
     async with Unchanged(world.api, f"POST /v1/actions by {who}"):
         reply = await world.call(who, "POST", "/v1/actions/eyJxIjoxfQ.c2lnbmF0dXJl", None)
     check_refusal(reply, 403)
+
+
+@pytest.mark.parametrize("who", [w for w in VALID if w not in ADMINS])
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("GET", "/v1/admin/deadletters"), ("POST", "/v1/admin/deadletters/msg_0123456789abcdef/replay")],
+)
+async def test_dead_letter_routes_are_refused_to_everyone_but_admins(
+    world: World, who: str, method: str, path: str
+) -> None:
+    """The listing shows every principal's failed deliveries; a replay re-sends one."""
+    async with Unchanged(world.api, f"{method} {path} by {who}"):
+        reply = await world.call(who, method, path, None)
+    check_refusal(reply, 403)
