@@ -441,3 +441,24 @@ async def test_purging_a_question_whose_hash_is_gone_drops_its_schedule_entry_an
         assert await redis.zscore(schedule, question_id) is None
     finally:
         await client.aclose()
+
+
+async def test_a_read_just_before_the_deadline_sees_the_question_pending_and_it_can_be_answered(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    """Reads expire an overdue question themselves (expire.lua): never one that is not overdue
+    yet, however close. No sweeper and no keyspace events here, so only the reads decide."""
+    client, api = await app_with(redis_server, run_sweeper=False, keyspace_notifications=False)
+    try:
+        agent = await api.principal("bot", "agent")
+        alice = await api.principal("alice", "user")
+        question = await api.ask(agent, {"user": "alice"}, expires_in=1)
+        await sleep_until_redis_ms(redis, ms(question["expires_at"]) - 250)
+        fetched = await api.get(agent, question["id"])
+        waited = await api.wait(agent, question["id"], 0)
+        listed = (await api.list(agent)).body["items"]
+        assert [fetched.body["state"], waited.body["state"]] == ["pending", "pending"]
+        assert [q["state"] for q in listed if q["id"] == question["id"]] == ["pending"]
+        assert (await api.answer(alice, question["id"], "yes")).body["applied"] is True
+    finally:
+        await client.close()

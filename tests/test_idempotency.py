@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
+import pytest
 from aiohttp.test_utils import TestClient
 from redis.asyncio import Redis
 
@@ -62,8 +63,13 @@ async def test_replay_returns_200_with_the_original_envelope_and_location(api: A
     assert again.headers["Location"] == first.headers["Location"] == f"/v1/questions/{first.body['id']}"
 
 
+@pytest.mark.parametrize(
+    "changes",
+    [{"options": ("yes", "no", "later")}, {"webhook_url": "https://example.com/hook"}],
+    ids=["options", "webhook-url"],
+)
 async def test_same_key_with_a_different_body_is_refused_with_422_and_writes_nothing(
-    api: Api, settings: Settings, redis: Redis
+    api: Api, settings: Settings, redis: Redis, changes: dict[str, object]
 ) -> None:
     agent, _ = await people(api)
     headers = {"Idempotency-Key": "k-2"}
@@ -71,7 +77,7 @@ async def test_same_key_with_a_different_body_is_refused_with_422_and_writes_not
     assert first.status == 201
     stats_before = await stats_totals(redis, settings.key_prefix)
 
-    changed = ask_body({"user": "alice"}, options=("yes", "no", "later"))
+    changed = ask_body({"user": "alice"}, **changes)
     reply = await api.call("POST", "/v1/questions", agent, changed, headers=headers)
 
     assert reply.status == 422

@@ -418,6 +418,24 @@ async def test_two_senders_settling_the_same_attempt_step_through_the_schedule_o
     assert (second.fields["status"], second.fields["attempts"]) == ("dead", "3")
 
 
+async def test_a_late_settle_of_a_delivered_delivery_is_stale_and_changes_nothing(
+    store: tuple[Redis, Scripts, QuestionStore], redis: Redis
+) -> None:
+    """A sender whose lease ran out settles after another sender delivered: its failure must
+    not turn the delivered record back into a retry, or into a dead letter."""
+    _, scripts, qs = store
+    b, fields = await stored_delivery(redis, qs, "msg_4", status="pending", attempts="0")
+    deliveries = DeliveryStore(redis, scripts, qs.keys, retention_ms=60_000)
+    claimed = Delivery.from_hash(fields)
+    delivered = await deliveries.settle(claimed, Attempt(200, "", 5), [1_000])
+    assert delivered.code is Code.APPLIED
+    record = await redis.hgetall(qs.keys.delivery(b, "msg_4"))
+    late = await deliveries.settle(claimed, Attempt(0, "no response within 10 s", 10_000), [])
+    assert late.code is Code.STALE
+    assert await redis.hgetall(qs.keys.delivery(b, "msg_4")) == record
+    assert await redis.zscore(qs.keys.deliveries_due(b), "msg_4") is None
+
+
 async def test_replay_rerun_with_the_same_call_id_reports_applied_and_changes_nothing(
     store: tuple[Redis, Scripts, QuestionStore], redis: Redis
 ) -> None:
