@@ -26,7 +26,15 @@ from standardwebhooks.webhooks import Webhook as Verifier
 from service.errors import Invalid, Unavailable
 from service.http.appkeys import DELIVERY_WORKERS, REDIS, SETTINGS
 from service.keys import BUCKETS, bucket_of, new_question_id
-from service.outbound import AddressRefused, GuardedResolver, OutboundPolicy, new_session, parse_nets, post
+from service.outbound import (
+    AddressRefused,
+    Attempt,
+    GuardedResolver,
+    OutboundPolicy,
+    new_session,
+    parse_nets,
+    post,
+)
 from service.settings import Settings
 from tests.api import Api
 from tests.conftest import ADMIN_TOKEN, close_client, start_client, test_settings
@@ -486,6 +494,17 @@ async def test_a_rotate_racing_a_delete_leaves_no_partial_endpoint_behind(
         assert (await api.call("GET", f"{path}/deliveries", agent)).status == 404
 
 
+async def post_to_loopback(
+    handler: Callable[[web.Request], Awaitable[web.StreamResponse]], *, timeout: float
+) -> Attempt:
+    """One post() to `handler`, served on a loopback port the policy allows."""
+    app = web.Application()
+    app.router.add_post("/hook", handler)
+    async with on_loopback(app) as base, aiohttp.ClientSession() as session:
+        loopback = OutboundPolicy(parse_nets("127.0.0.0/8"))
+        return await post(session, loopback, f"{base}/hook", b"{}", {}, timeout)
+
+
 async def test_a_receiver_whose_reply_body_never_ends_gets_its_status_recorded_not_read_whole() -> None:
     """The reply body is not used; reading all of it let a receiver fill the process's memory
     (a 1.5 GB body took it to 3 GiB). An endless body must not hold the attempt to its timeout."""
@@ -499,11 +518,7 @@ async def test_a_receiver_whose_reply_body_never_ends_gets_its_status_recorded_n
                 await reply.write(chunk)
         return reply
 
-    app = web.Application()
-    app.router.add_post("/hook", endless)
-    async with on_loopback(app) as base, aiohttp.ClientSession() as session:
-        loopback = OutboundPolicy(parse_nets("127.0.0.0/8"))
-        attempt = await post(session, loopback, f"{base}/hook", b"{}", {}, 30)
+    attempt = await post_to_loopback(endless, timeout=30)
     assert (attempt.status, attempt.error) == (200, "")
 
 
@@ -555,11 +570,7 @@ async def test_a_2xx_whose_body_stalls_is_recorded_as_delivered_not_resent() -> 
         await asyncio.sleep(3)  # past the sender's 1 s; then the server can shut down
         return reply
 
-    app = web.Application()
-    app.router.add_post("/hook", stalls)
-    async with on_loopback(app) as base, aiohttp.ClientSession() as session:
-        loopback = OutboundPolicy(parse_nets("127.0.0.0/8"))
-        attempt = await post(session, loopback, f"{base}/hook", b"{}", {}, 1)
+    attempt = await post_to_loopback(stalls, timeout=1)
     assert (attempt.status, attempt.error) == (200, "")
 
 
