@@ -759,19 +759,28 @@ async def test_a_pass_whose_sends_fail_waits_for_all_of_them_and_reports_every_f
     assert caplog.text.count("failed too") == 2
 
 
+async def fanned_out_by_hand(
+    api_with: Callable[..., Awaitable[Api]], redis_url: str, receiver: RecordingReceiver
+) -> tuple[Api, str, dict[str, Any]]:
+    """A service whose fan-out the test drives itself (its groups made, no sender running), an
+    agent with a question.created webhook, and alice to ask: (api, agent token, webhook)."""
+    api = await api_with(test_settings(redis_url, **{**FAST, "run_delivery": False}))
+    agent = await api.principal("deploybot", "agent")
+    await api.principal("alice", "user")
+    hook = await register(api, agent, receiver.url, ["question.created"])
+    await api.client.server.app[DELIVERY_WORKERS].fanout.ensure_groups()
+    return api, agent, hook
+
+
 async def test_events_of_two_buckets_under_the_same_entry_id_are_two_deliveries_with_two_ids(
     api_with: Callable[..., Awaitable[Api]], receiver: RecordingReceiver, redis_server: RedisServer
 ) -> None:
     """Entry ids are unique within one bucket's outbox only: two buckets appending in the same
     millisecond get the same id. Their events were one webhook-id (receivers dropped the second
     as a duplicate) and the same delivery key name in two buckets."""
-    api = await api_with(test_settings(redis_server.url, **{**FAST, "run_delivery": False}))
-    agent = await api.principal("deploybot", "agent")
-    await api.principal("alice", "user")
-    hook = await register(api, agent, receiver.url, ["question.created"])
+    api, agent, hook = await fanned_out_by_hand(api_with, redis_server.url, receiver)
     fanout = api.client.server.app[DELIVERY_WORKERS].fanout
     redis = api.client.server.app[REDIS]
-    await fanout.ensure_groups()
     by_bucket: dict[int, str] = {}
     while len(by_bucket) < 2:
         question = await api.ask(agent, {"user": "alice"})
@@ -791,14 +800,9 @@ async def test_a_fan_out_refused_by_a_full_redis_is_retried_later_not_skipped(
 ) -> None:
     own = RedisServer().start()  # made to refuse writes: not the session's server
     try:
-        settings = test_settings(own.url, **{**FAST, "run_delivery": False})
-        api = await api_with(settings)
-        agent = await api.principal("deploybot", "agent")
-        await api.principal("alice", "user")
-        hook = await register(api, agent, receiver.url, ["question.created"])
+        api, agent, hook = await fanned_out_by_hand(api_with, own.url, receiver)
         fanout = api.client.server.app[DELIVERY_WORKERS].fanout
         redis = api.client.server.app[REDIS]
-        await fanout.ensure_groups()
         await api.ask(agent, {"user": "alice"})
         outboxes = {fanout.keys.outbox(b): ">" for b in range(BUCKETS)}
         read = await redis.xreadgroup(fanout.group, fanout.consumer, outboxes, count=10)
