@@ -5,10 +5,11 @@
   From-states: pending -> delivered (a 2xx), pending -> pending (failed, retried after the delay
   ARGV[6] gives for this attempt), pending -> dead (failed and no retry left). The delay is
   picked here by the recorded attempt count, not by the sender: two senders that both sent an
-  attempt (a lease ran out) step through the schedule once each, never past its end. delivered | dead: nothing changes (another worker
-  settled it after a lease ran out). A re-run of the same call (ARGV[9]: redis-py resends a
-  script whose reply was lost) reports what the first run did and changes nothing: counted
-  twice, an attempt would cut the delivery's retries short.
+  attempt (a lease ran out) step through the schedule once each, never past its end.
+  delivered | dead: nothing changes (another worker settled it after a lease ran out). A re-run
+  of the same call (ARGV[9]: redis-py resends a script whose reply was lost) reports what the
+  first run did and changes nothing: counted twice, an attempt would cut the delivery's retries
+  short.
 
   Input:
     KEYS[1] delivery         (HASH)
