@@ -206,9 +206,10 @@ def wait_seconds(request: web.Request) -> tuple[float, bool]:
     if raw is None:
         return settings.wait_default_seconds, False
     # float() also takes "1_0", "+2", " 2 ", full-width digits, "nan" and "inf".
-    if not _SECONDS.match(raw) or float(raw) == float("inf"):
+    seconds = float(raw) if _SECONDS.match(raw) else float("inf")
+    if seconds == float("inf"):  # a spelling float() alone would take, or beyond a float
         raise Invalid("timeout must be a non-negative number of seconds, like 30 or 0.5")
-    return min(float(raw), settings.wait_max_seconds), False
+    return min(seconds, settings.wait_max_seconds), False
 
 
 def idempotency_key(request: web.Request) -> str | None:
